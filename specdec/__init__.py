@@ -1,0 +1,1 @@
+"""specdec: lossless speculative decoding for Llama-family models on a paged KV cache."""

@@ -1,0 +1,76 @@
+"""One dispatch point per op: the Triton kernel on CUDA (or when forced), the torch reference otherwise.
+
+Rule (the dispatch contract): an op runs its Triton kernel iff its tensors are on CUDA, or the force switch
+is on (``force_triton()``, used by the interpreter end-to-end test). It is never inferred from
+``TRITON_INTERPRET``: tests set that process-wide, and inferring from it would push every engine test through
+the ~1000x slower interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from specdec.kernels import paged_attention as _attention
+from specdec.kernels import softmax as _softmax
+from specdec.kernels import top_k_top_p as _top_k_top_p
+
+_force_triton = False
+
+
+@contextlib.contextmanager
+def force_triton(enabled: bool = True) -> Iterator[None]:
+    """Run every op through its Triton launcher inside this context (on CPU that needs TRITON_INTERPRET=1)."""
+    global _force_triton
+    previous, _force_triton = _force_triton, enabled
+    try:
+        yield
+    finally:
+        _force_triton = previous
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    """True iff the op on ``tensor`` should run its Triton kernel."""
+    return _force_triton or tensor.is_cuda
+
+
+def _launcher(module, name: str):
+    """The module's Triton launcher, or a clear error if the kernel is not there."""
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise NotImplementedError(f"{module.__name__}.{name} (Triton kernel) is not available")
+    return fn
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None = None,
+    tree_mask_indptr: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged attention; see :func:`specdec.kernels.paged_attention.paged_attention_reference` for shapes."""
+    fn = _launcher(_attention, "paged_attention") if use_triton(q) else _attention.paged_attention_reference
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr)
+
+
+def softmax_with_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs fp32 [R, V], bad_row bool [R])``; see the reference in ``specdec.kernels.softmax``."""
+    if use_triton(logits):
+        return _launcher(_softmax, "softmax_with_temperature")(logits, temperature)
+    return _softmax.softmax_with_temperature_reference(logits, temperature)
+
+
+def top_k_top_p_min_p(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Filtered, renormalised fp32 ``[R, V]``; see the reference in ``specdec.kernels.top_k_top_p``."""
+    if use_triton(probs):
+        return _launcher(_top_k_top_p, "top_k_top_p_min_p")(probs, top_k, top_p, min_p)
+    return _top_k_top_p.top_k_top_p_min_p_reference(probs, top_k, top_p, min_p)
