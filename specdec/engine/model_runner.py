@@ -1,0 +1,71 @@
+"""ModelRunner: turns a ragged batch of (sequence, new tokens) into one forward of a model on its paged pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.cache.block_manager import BlockManager
+from specdec.cache.kv_pool import KVPool
+from specdec.model.llama import AttentionMetadata, LlamaForCausalLM
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's slice of a ragged forward."""
+
+    seq_id: int
+    token_ids: list[int]  # the new tokens (their K/V get written)
+    start_pos: int  # absolute position of token_ids[0]
+    num_logits: int  # logits wanted for the last ``num_logits`` new tokens (0 = none)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, block_manager: BlockManager, device: torch.device):
+        self.model = model
+        self.pool = pool
+        self.block_manager = block_manager
+        self.device = device
+        self.num_forwards = 0
+
+    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Run one forward over ``items``; fp32 logits ``[sum(num_logits), V]`` in item order.
+
+        The block manager must already hold slots for every new token (``start_pos + len(token_ids)``).
+        """
+        bm = self.block_manager
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        cu_q_lens = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for item in items:
+            n = len(item.token_ids)
+            assert bm.seq_len(item.seq_id) >= item.start_pos + n, "slots not reserved before the forward"
+            input_ids += item.token_ids
+            positions += range(item.start_pos, item.start_pos + n)
+            slots += [bm.slot(item.seq_id, p) for p in range(item.start_pos, item.start_pos + n)]
+            logits_indices += range(cu_q_lens[-1] + n - item.num_logits, cu_q_lens[-1] + n)
+            cu_q_lens.append(cu_q_lens[-1] + n)
+            seq_lens.append(item.start_pos + n)
+            tables.append(bm.block_table(item.seq_id))
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_q_lens=torch.tensor(cu_q_lens, dtype=torch.int32, device=dev),
+        )
+        self.num_forwards += 1
+        return self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.pool.tensors,
+            meta,
+            torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+        )

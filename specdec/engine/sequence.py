@@ -1,0 +1,112 @@
+"""A request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specdec.sampling.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request counters and times (definitions in docs/metrics.md)."""
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+    target_forwards: int = 0  # target forwards this request took part in (prefill chunks included)
+    draft_forwards: int = 0
+    # speculative decoding (zero for plain decoding)
+    num_rounds: int = 0  # verification rounds
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_rejected_rounds: int = 0  # rounds that ended in a rejection
+    num_round_tokens: int = 0  # tokens emitted by verification rounds (accepted + correction/bonus)
+    accepted_per_position: list[int] = field(default_factory=list)  # [k_max] accepted draft i
+    drafted_per_position: list[int] = field(default_factory=list)  # [k_max] drafted draft i
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """accepted / drafted (vLLM's system metric)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+    @property
+    def alpha(self) -> float | None:
+        """accepted / (accepted + rounds ending in a rejection): the per-token acceptance estimator."""
+        denom = self.num_accepted + self.num_rejected_rounds
+        return self.num_accepted / denom if denom else None
+
+    @property
+    def mean_tokens_per_round(self) -> float | None:
+        """tau: tokens emitted by verification rounds / rounds (bonus and correction tokens included)."""
+        return self.num_round_tokens / self.num_rounds if self.num_rounds else None
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def wall_time(self) -> float | None:
+        return self.finished_time - self.arrival_time if self.finished_time is not None else None
+
+    def as_dict(self) -> dict:
+        return {
+            "num_prompt_tokens": self.num_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_preemptions": self.num_preemptions,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "num_rounds": self.num_rounds,
+            "drafted": self.num_drafted,
+            "accepted": self.num_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "alpha": self.alpha,
+            "mean_tokens_per_round": self.mean_tokens_per_round,
+            "per_position_acceptance": self.per_position_acceptance,
+            "time_to_first_token": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
+            "wall_time": self.wall_time,
+        }
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's randomness key (docs/architecture.md, randomness contract)
+    eos_token_ids: frozenset[int]
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the target cache
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # detokenisation state (engine/detokenizer.py)
+    output_text: str = ""
+    stable_text_len: int = 0  # prefix of output_text that streaming may show
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

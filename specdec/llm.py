@@ -1,0 +1,136 @@
+"""The facade users import: ``LLM(model).generate(prompts, SamplingParams(...))`` (vLLM's shape)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.engine.engine import LLMEngine
+from specdec.outputs import RequestOutput
+from specdec.sampling.params import SamplingParams
+
+
+class LLM:
+    """Load a model and generate.
+
+    Args:
+        model: a local Hugging Face-style folder, a ``.gguf`` file (converted once and cached), or a hub repo id.
+        dtype: "float32" | "bfloat16" | "float16" | "auto" (the checkpoint's dtype; fp32 for fp16 on CPU).
+        device: "cpu" | "cuda" | "auto".
+        max_model_len: longest prompt + output; default min(model limit, 8192).
+        block_size: tokens per KV-cache block.
+        max_num_seqs: most requests decoded together.
+        num_kv_blocks / kv_cache_memory_gb: pool size in blocks, or in GiB when blocks are not given.
+        seed: seeds the per-request seeds of requests that give none.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        seed: int = 0,
+    ):
+        config = EngineConfig.create(
+            model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
+        )
+        self.engine = LLMEngine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order.
+
+        Every request is validated before any runs: one bad request raises ``ValueError`` and nothing is queued.
+        """
+        requests = self._requests(prompts, sampling_params, prompt_token_ids)
+        for prompt, params, ids in requests:
+            self.engine.validate_request(prompt, ids, params)
+        request_ids = [self.engine.add_request(prompt, params, ids) for prompt, params, ids in requests]
+        final: dict[str, RequestOutput] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for rid in request_ids:
+                self.engine.abort(rid)
+            raise
+        return [final[rid] for rid in request_ids]
+
+    def stream(
+        self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> Iterator[str]:
+        """Yield text deltas of one request as they become safe to show (no partial UTF-8, no stop prefix)."""
+        rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids)
+        shown = 0
+        try:
+            while True:
+                outs = [o for o in self.engine.step() if o.request_id == rid]
+                for out in outs:
+                    text = out.outputs[0].text
+                    if len(text) > shown:
+                        yield text[shown:]
+                        shown = len(text)
+                    if out.finished:
+                        return
+                if not self.engine.has_unfinished_requests():
+                    return
+        finally:
+            self.engine.abort(rid)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer.json, so chat() cannot render a conversation")
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    @staticmethod
+    def _requests(prompts, sampling_params, prompt_token_ids) -> list[tuple[str | None, SamplingParams, list | None]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            id_lists: list = [None] * len(texts)
+        else:
+            id_lists = [prompt_token_ids] if prompt_token_ids and isinstance(prompt_token_ids[0], int) else list(
+                prompt_token_ids)
+            texts = [None] * len(id_lists)
+        if not texts:
+            raise ValueError("no prompts given")
+        if sampling_params is None:
+            params = [SamplingParams()] * len(texts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(texts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(texts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(texts)} prompts; give one, or one each")
+        return list(zip(texts, params, id_lists))

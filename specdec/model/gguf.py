@@ -1,0 +1,475 @@
+"""Turn a GGUF checkpoint (llama.cpp's format) into a Hugging Face-style model directory.
+
+The result (`config.json`, `model.safetensors` or shards plus an index, `tokenizer.json`,
+`tokenizer_config.json`, `generation_config.json`) is read by any HF-format loader, ours and
+transformers' alike, so GGUF support stops here and never leaks into the model code.
+
+    model = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")        # config, state_dict, tokenizer, ...
+    convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "out/dir")  # the same, written to disk atomically
+
+Supported: architectures `llama` and `qwen2` with a byte-level BPE vocabulary whose pre-tokenizer
+(`tokenizer.ggml.pre`) is `smollm` or `qwen2`. Anything else raises `ValueError` naming what is supported.
+The tokenizer half lives in `gguf_tokenizer.py`-sized pieces at the end of this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader, ReaderTensor
+
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_PRE_TOKENIZERS = ("qwen2", "smollm")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_SHARD_BYTES = 2 * 1024**3
+CONVERSION_RECORD = "specdec_conversion.json"  # provenance of a converted directory (source file, hash, dtype)
+CONVERTER_VERSION = 1  # bump when the output of `convert_gguf` changes, so caches convert again
+
+_GGUF_MAGIC = b"GGUF"
+_PROGRESS_MIN_BYTES = 256 * 1024**2  # show a dequantisation progress bar for files larger than this
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+# Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json).
+_FAMILY_EOS_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
+# Qwen2's split regex (transformers `models/qwen2/tokenization_qwen2.py::PRETOKENIZE_REGEX`).
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF checkpoint in Hugging Face form: what `convert_gguf` writes, held in memory."""
+
+    config: dict[str, Any]  # config.json
+    state_dict: dict[str, torch.Tensor]  # HF parameter names; `lm_head.weight` only when not tied
+    tokenizer_json: str  # a serialised `tokenizers.Tokenizer` (tokenizer.json)
+    tokenizer_config: dict[str, Any]  # tokenizer_config.json, with the chat template
+    generation_config: dict[str, Any]  # generation_config.json: bos / eos / pad ids
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """Open a GGUF file for reading (memory-mapped), with clear errors for a missing or non-GGUF file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ValueError(f"{path} is not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
+    try:
+        import gguf
+    except ImportError as e:  # an optional dependency: `pip install specdec[gguf]`
+        raise ImportError("reading GGUF files needs the `gguf` package: pip install 'specdec[gguf]'") from e
+    return gguf.GGUFReader(path)
+
+
+class _Metadata:
+    """Typed access to a reader's key-value metadata; float32 values come back as their shortest decimal."""
+
+    _MISSING = object()
+
+    def __init__(self, reader: GGUFReader, path: str | os.PathLike):
+        self._fields, self._path = reader.fields, path
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._fields
+
+    def get(self, key: str, default: Any = None) -> Any:
+        from gguf import GGUFValueType
+
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        if field.types == [GGUFValueType.FLOAT32]:
+            # NOTE: 9.999999747378752e-06 -> 1e-05, as the upstream config.json has it; same float32 either way.
+            value = float(str(np.float32(value)))
+        return value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key, self._MISSING)
+        if value is self._MISSING:
+            raise ValueError(f"{self._path}: required GGUF metadata key {key!r} is missing")
+        return value
+
+
+def _architecture(md: _Metadata) -> str:
+    arch = md.require("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope_scaling(md: _Metadata, arch: str) -> dict[str, Any] | None:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` (GGUF has no llama3 keys: see `_hf_name`)."""
+    kind = md.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: 'none', 'linear', 'yarn'")
+    scaling = {"rope_type": kind, "factor": md.require(f"{arch}.rope.scaling.factor")}
+    if kind == "yarn":
+        scaling["original_max_position_embeddings"] = md.require(f"{arch}.rope.scaling.original_context_length")
+        for key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if (value := md.get(f"{arch}.rope.scaling.{key}")) is not None:
+                scaling[hf_key] = value
+    return scaling
+
+
+def _build_config(md: _Metadata, arch: str, vocab_size: int, tied: bool, dtype: str) -> dict[str, Any]:
+    hidden, heads = md.require(f"{arch}.embedding_length"), md.require(f"{arch}.attention.head_count")
+    head_dim = md.get(f"{arch}.attention.key_length", hidden // heads)
+    rope_dim = md.get(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ValueError(f"partial rotary embeddings (rope dim {rope_dim} != head dim {head_dim}) are not supported")
+    config = {
+        "architectures": [SUPPORTED_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,  # from the token list, which the embedding rows must match
+        "hidden_size": hidden,
+        "intermediate_size": md.require(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": md.require(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": md.get(f"{arch}.attention.head_count_kv", heads),  # GGUF spec: absent = MHA
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": md.require(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": md.require(f"{arch}.rope.freq_base"),  # never defaulted: a wrong theta is silent
+        "rope_scaling": _rope_scaling(md, arch),
+        "max_position_embeddings": md.require(f"{arch}.context_length"),
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype,
+    }
+    if arch == "llama":
+        config.update(attention_bias=False, mlp_bias=False)
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    match = _BLOCK_TENSOR_RE.fullmatch(gguf_name)
+    if match and match[2] in _BLOCK_TENSORS:
+        return f"model.layers.{match[1]}.{_BLOCK_TENSORS[match[2]]}.{match[3]}"
+    if gguf_name == "rope_freqs.weight":
+        raise ValueError("llama3-style rope scaling (a `rope_freqs` tensor) is not supported")
+    raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF parameter name -> torch shape `[out, in]` of every tensor the checkpoint must hold."""
+    d, hd, ffn = config["hidden_size"], config["head_dim"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    layer = {
+        "input_layernorm.weight": (d,),
+        "post_attention_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (q, d),
+        "self_attn.k_proj.weight": (kv, d),
+        "self_attn.v_proj.weight": (kv, d),
+        "self_attn.o_proj.weight": (d, q),
+        "mlp.gate_proj.weight": (ffn, d),
+        "mlp.up_proj.weight": (ffn, d),
+        "mlp.down_proj.weight": (d, ffn),
+    }
+    if config["model_type"] == "qwen2":
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], d), "model.norm.weight": (d,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], d)
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def _check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
+    """Fail before any dequantisation if a tensor is missing, unexpected or of the wrong shape."""
+    expected = _expected_shapes(config)
+    found = {_hf_name(t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    if missing := sorted(expected.keys() - found.keys()):
+        raise ValueError(f"GGUF is missing tensors (HF names): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if extra := sorted(found.keys() - expected.keys()):
+        raise ValueError(f"GGUF has tensors this {config['model_type']} config does not use: {extra[:8]}")
+    for name, shape in found.items():
+        if shape != expected[name]:
+            raise ValueError(f"tensor {name} has shape {list(shape)}, config implies {list(expected[name])}")
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (interleaved rope pairs -> HF `rotate_half` halves)."""
+    head_dim = w.shape[0] // n_head
+    # (n_head, 2, hd/2, ...) was stored as (n_head, hd/2, 2, ...): swap the pair axis back.
+    return w.reshape(n_head, head_dim // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
+    """One GGUF tensor as float32 in torch layout: GGUF shapes are `[in, out]`, torch's `[out, in]`."""
+    from gguf.quants import dequantize
+
+    array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # copy: off the memmap
+    return torch.from_numpy(array.reshape(tuple(int(n) for n in reversed(tensor.shape))))
+
+
+def iter_hf_tensors(
+    reader: GGUFReader, config: dict[str, Any], dtype: str = "float32", progress: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` one at a time, dequantised, un-permuted and cast to `dtype`.
+
+    Memory stays at about one tensor, so a multi-GB checkpoint converts without holding it whole.
+    `progress=None` shows a tqdm bar for files over 256 MiB.
+    """
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    show = progress if progress is not None else total > _PROGRESS_MIN_BYTES
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    with tqdm(total=total, unit="B", unit_scale=True, desc="dequantizing", disable=not show, leave=False) as bar:
+        for tensor in reader.tensors:
+            weight = _dequantize(tensor)
+            kind = tensor.name.split(".")[-2]
+            if config["model_type"] == "llama" and kind in heads:  # only llama GGUFs are rope-permuted
+                weight = _unpermute_rope(weight, heads[kind])
+            yield _hf_name(tensor.name), weight.to(DTYPES[dtype]).contiguous()
+            bar.update(int(tensor.n_bytes))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    if pre == "qwen2":
+        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    if pre == "smollm":
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {list(SUPPORTED_PRE_TOKENIZERS)}")
+
+
+def _special_token(tokens: list[str], md: _Metadata, key: str) -> str | None:
+    token_id = md.get(f"tokenizer.ggml.{key}_token_id")
+    return None if token_id is None else tokens[token_id]
+
+
+def build_tokenizer(md: _Metadata, arch: str) -> tuple[Tokenizer, dict[str, Any], dict[str, Any]]:
+    """`(tokenizer, tokenizer_config, generation_config)` from the `tokenizer.*` metadata."""
+    if (kind := md.require("tokenizer.ggml.model")) != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
+    pre = md.get("tokenizer.ggml.pre", "default")
+    pre_tokenizer = _pre_tokenizer(pre)  # fail on an unknown pre-tokenizer before building anything
+    tokens: list[str] = md.require("tokenizer.ggml.tokens")
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    merges = [tuple(merge.split(" ", 1)) for merge in md.require("tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()  # as upstream Qwen2's tokenizer.json (a GGUF cannot say so)
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+    # NOTE: control tokens (type 3) are special; user-defined ones (4) are added tokens that are not special,
+    # which is how llama.cpp's converter labelled them (HF `added_tokens` with `special: false`).
+    types = md.get("tokenizer.ggml.token_type") or []
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=kind == _TOKEN_TYPE_CONTROL, normalized=False)
+            for i, kind in enumerate(types)
+            if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        ]
+    )
+    bos, eos = _special_token(tokens, md, "bos"), _special_token(tokens, md, "eos")
+    add_bos, add_eos = bool(md.get("tokenizer.ggml.add_bos_token", False)), bool(md.get("tokenizer.ggml.add_eos_token", False))
+    if add_bos or add_eos:
+        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
+        specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None]
+        tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": _special_token(tokens, md, "padding"),
+        "unk_token": _special_token(tokens, md, "unknown"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": md.require(f"{arch}.context_length"),
+    }
+    if (template := md.get("tokenizer.chat_template")) is not None:
+        tokenizer_config["chat_template"] = template
+    return tokenizer, tokenizer_config, _generation_config(tokens, md, arch)
+
+
+def _generation_config(tokens: list[str], md: _Metadata, arch: str) -> dict[str, Any]:
+    """bos / pad ids and every eos id the family stops on (an int when there is one, as HF writes it)."""
+    eos_ids = [md.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    eos_ids += [tokens.index(t) for t in _FAMILY_EOS_TOKENS.get(arch, ()) if t in tokens]
+    eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
+    config = {"bos_token_id": md.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos_ids}
+    if (pad := md.get("tokenizer.ggml.padding_token_id")) is not None:
+        config["pad_token_id"] = pad
+    if len(eos_ids) == 1:
+        config["eos_token_id"] = eos_ids[0]
+    return config
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _read(path: str | os.PathLike, dtype: str) -> tuple[GGUFReader, dict, Tokenizer, dict, dict]:
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: {list(DTYPES)}")
+    reader = open_gguf(path)
+    md = _Metadata(reader, path)
+    arch = _architecture(md)
+    tokenizer, tokenizer_config, generation_config = build_tokenizer(md, arch)
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    config = _build_config(md, arch, len(md.require("tokenizer.ggml.tokens")), tied, dtype)
+    config["bos_token_id"] = generation_config["bos_token_id"]
+    config["eos_token_id"] = md.get("tokenizer.ggml.eos_token_id")
+    _check_tensors(reader, config)
+    return reader, config, tokenizer, tokenizer_config, generation_config
+
+
+def load_gguf(path: str | os.PathLike, dtype: str = "float32", progress: bool | None = None) -> GGUFModel:
+    """Read a GGUF checkpoint into HF form in memory (`dtype`: "float32", "bfloat16" or "float16")."""
+    reader, config, tokenizer, tokenizer_config, generation_config = _read(path, dtype)
+    state_dict = dict(iter_hf_tensors(reader, config, dtype, progress))
+    return GGUFModel(config, state_dict, tokenizer.to_str(), tokenizer_config, generation_config)
+
+
+def convert_gguf(
+    path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str = "float32",
+    *,
+    overwrite: bool = False,
+    source_sha256: str | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    progress: bool | None = None,
+) -> Path:
+    """Write a GGUF checkpoint as an HF model directory at `out_dir`; returns it.
+
+    Atomic: everything is written into a hidden sibling temp directory that is renamed to `out_dir` only
+    when complete, so an interrupted convert never leaves a directory that looks finished. Weights go to
+    `model.safetensors`, or to shards of at most `max_shard_bytes` plus `model.safetensors.index.json`.
+    `source_sha256` (when the caller verified the file) is recorded in `specdec_conversion.json`.
+    Raises `FileExistsError` if `out_dir` exists and `overwrite` is false.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+    reader, config, tokenizer, tokenizer_config, generation_config = _read(path, dtype)
+    with _atomic_directory(out_dir) as tmp:
+        _write_json(tmp / "config.json", config)
+        _write_json(tmp / "generation_config.json", generation_config)
+        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        _write_safetensors(iter_hf_tensors(reader, config, dtype, progress), tmp, max_shard_bytes)
+        record = {"source": Path(path).name, "source_sha256": source_sha256, "dtype": dtype}
+        _write_json(tmp / CONVERSION_RECORD, {**record, "converter_version": CONVERTER_VERSION})
+    return out_dir
+
+
+def read_conversion_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The provenance `convert_gguf` wrote into `out_dir`, or None if it is not a converted directory."""
+    try:
+        return json.loads((Path(out_dir) / CONVERSION_RECORD).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def _write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
+    """Stream tensors into shards of at most `max_shard_bytes` (one file and no index when they fit in one)."""
+    shards: list[list[str]] = []
+    current: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal current, size
+        save_file(current, str(out_dir / f"shard-{len(shards):05d}.tmp"), metadata={"format": "pt"})
+        shards.append(list(current))
+        current, size = {}, 0
+
+    total = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            flush()
+        current[name], size, total = tensor, size + nbytes, total + nbytes
+    if current:
+        flush()
+    if len(shards) == 1:
+        (out_dir / "shard-00000.tmp").rename(out_dir / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        (out_dir / f"shard-{i:05d}.tmp").rename(out_dir / file)
+        weight_map.update(dict.fromkeys(names, file))
+    _write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+@contextlib.contextmanager
+def _atomic_directory(out_dir: Path) -> Iterator[Path]:
+    """Yield a temp directory next to `out_dir`; on success it replaces `out_dir`, on failure it is removed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        yield tmp
+        if out_dir.exists():  # overwrite: move the old one aside first (a rename cannot replace a non-empty dir)
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / "old")
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)  # raises if another process finished first: never merge two conversions
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

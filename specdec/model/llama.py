@@ -1,0 +1,192 @@
+"""A hand-written Llama / Qwen2 forward in plain torch whose attention reads a paged KV cache.
+
+One call takes a ragged batch - prefill chunks, single-token decodes and k+1-token verification windows of
+several sequences, all flattened into ``T`` tokens - and returns logits only for the rows asked for.
+``positions`` (rope) and ``slot_mapping`` (where each new K/V is written) are separate inputs: in a token
+tree they differ.
+
+Weights use Hugging Face names on disk; q/k/v and gate/up are fused into one matmul each at load time
+(fewer, larger GEMMs - the gpt-fast / vLLM layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specdec import ops
+from specdec.model.config import ModelConfig
+from specdec.model.rope import RotaryEmbedding
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a ragged batch's tokens live in the paged cache (shared by every layer of one forward)."""
+
+    slot_mapping: torch.Tensor  # int64 [T]     flat cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # int32 [B, max_blocks]  physical block ids per sequence
+    seq_lens: torch.Tensor  # int32 [B]     context length per sequence, new tokens included
+    cu_q_lens: torch.Tensor  # int32 [B+1]   cumulative new-token counts
+    tree_mask: torch.Tensor | None = None  # bool [sum(q_len_b^2)] packed per-sequence masks (None = causal)
+    tree_mask_indptr: torch.Tensor | None = None  # int32 [B+1]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.rope = rope
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        positions: torch.Tensor,  # (T,)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        q, k = self.rope(q, k, positions)
+        # Write the new K/V into their slots, then attend over each sequence's whole context.
+        k_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
+        out = ops.paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q_lens, self.scale,
+            meta.tree_mask, meta.tree_mask_indptr,
+        )  # (T, Hq, D)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rope)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 decoder. ``forward`` returns fp32 logits ``[N, V]`` for the rows in ``logits_indices``."""
+
+    # HF checkpoint name fragment -> (fused parameter fragment, shard index)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rope) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 (T,)
+        positions: torch.Tensor,  # int64 (T,)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each (L, num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # int64 (N,) rows of the flattened batch whose logits are wanted
+    ) -> torch.Tensor:
+        k_caches, v_caches = kv_cache
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, k_caches[i], v_caches[i], meta)
+        x = self.norm(x[logits_indices])  # (N, hidden)
+        return self.lm_head(x).float()  # (N, V)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up; raise ``ValueError`` on missing/unknown/mis-shaped ones."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        fused_parts: dict[str, dict[int, torch.Tensor]] = {}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            for fragment, (fused, shard) in self._FUSED.items():
+                if f".{fragment}." in name:
+                    fused_name = name.replace(fragment, fused)
+                    fused_parts.setdefault(fused_name, {})[shard] = tensor
+                    break
+            else:
+                self._copy(params, name, tensor, hf_name)
+                loaded.add(name)
+        for fused_name, parts in fused_parts.items():
+            expected = 3 if "qkv" in fused_name else 2
+            if len(parts) != expected:
+                raise ValueError(f"checkpoint has only {len(parts)} of the {expected} tensors fused into {fused_name}")
+            self._copy(params, fused_name, torch.cat([parts[i] for i in range(expected)], dim=0), fused_name)
+            loaded.add(fused_name)
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+
+    @staticmethod
+    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, source: str) -> None:
+        if name == "lm_head.weight" and name not in params:
+            return
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {source!r} does not belong to this architecture")
+        if param.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))

@@ -1,0 +1,120 @@
+"""Find a model (local folder, hub repo id, or .gguf file) and load its weights into our forward."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from specdec.model.config import ModelConfig
+from specdec.model.llama import LlamaForCausalLM
+
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+]
+
+
+def cache_root() -> str:
+    """Where converted models live: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``."""
+    return os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
+
+
+def resolve_model_path(model: str) -> str:
+    """A local HF-style directory for ``model``: a folder as is, a .gguf converted once, a hub id downloaded."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty path or hub repo id, got {model!r}")
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"GGUF file not found: {model}")
+        return _converted_gguf_dir(model)
+    if os.path.isdir(model):
+        return model
+    if os.path.exists(model):
+        raise ValueError(f"{model} is a file, but not a .gguf; pass a model directory, a .gguf or a hub repo id")
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        return _download_from_hub(model)
+    raise ValueError(f"model {model!r} is neither an existing directory, a .gguf file nor a hub repo id (org/name)")
+
+
+def _converted_gguf_dir(path: str) -> str:
+    from specdec.model.gguf import convert_gguf
+
+    st = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    name = os.path.basename(path).removesuffix(".gguf")
+    out_dir = os.path.join(cache_root(), "converted", f"{name}-{key}")
+    if not os.path.isfile(os.path.join(out_dir, "config.json")):
+        convert_gguf(path, out_dir)
+    return out_dir
+
+
+def _download_from_hub(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=offline)
+    except LocalEntryNotFoundError as e:
+        raise ValueError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached"
+            f"{' (HF_HUB_OFFLINE is set)' if offline else ''}; download it with network access first, "
+            f"or pass a local directory or .gguf file"
+        ) from e
+    except Exception as e:  # network / auth / not-found errors from the hub client
+        raise ValueError(f"could not fetch {repo_id!r} from the Hugging Face hub: {e}") from e
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The weight files of a model folder (sharded through an index, or every ``*.safetensors``)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {path}")
+    full = [os.path.join(path, f) for f in files]
+    missing = [f for f in full if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(f"weight files listed in the index are missing: {missing}")
+    return full
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    files = safetensors_files(path)
+    for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"weight file {file} is corrupt or unreadable: {e}") from e
+
+
+def load_model(
+    path: str, dtype: torch.dtype, device: torch.device, max_positions: int, config: ModelConfig | None = None
+) -> LlamaForCausalLM:
+    """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed)."""
+    config = config or ModelConfig.from_json(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rope.reset(device)  # cos/sin tables are computed, not loaded; keep them fp32
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_weights(iter_weights(path))
+    return model.eval()

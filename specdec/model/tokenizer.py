@@ -1,0 +1,89 @@
+"""Tokenizer: a ``tokenizers`` tokenizer.json plus the chat template and special ids from the model folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json`` for the chat template) from directory ``path``."""
+        file = os.path.join(path, "tokenizer.json")
+        try:
+            self._tok = HFTokenizer.from_file(file)
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ValueError(f"cannot read tokenizer at {file}: {e}") from e
+        cfg_file = os.path.join(path, "tokenizer_config.json")
+        cfg = {}
+        if os.path.isfile(cfg_file):
+            with open(cfg_file, encoding="utf-8") as f:
+                cfg = json.load(f)
+        self.chat_template: str | None = cfg.get("chat_template")
+        self.bos_token: str | None = _token_str(cfg.get("bos_token"))
+        self.eos_token: str | None = _token_str(cfg.get("eos_token"))
+        self.add_bos_token: bool = bool(cfg.get("add_bos_token", False))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    @staticmethod
+    def from_dir(path: str) -> Tokenizer | None:
+        """The tokenizer in ``path``, or None when the folder has no tokenizer.json."""
+        return Tokenizer(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token is not None:
+            bos = self._tok.token_to_id(self.bos_token)
+            if bos is not None and (not ids or ids[0] != bos):
+                ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tok.get_vocab(with_added_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` with the model's Jinja chat template, as transformers does."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (tokenizer_config.json 'chat_template'); "
+                             "use generate() with a plain prompt instead of chat()")
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _token_str(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+def _compile_template(source: str):
+    """A sandboxed Jinja environment configured like transformers' chat-template renderer."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template error: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                               ensure_ascii=ensure_ascii)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

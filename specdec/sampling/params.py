@@ -1,0 +1,74 @@
+"""SamplingParams: what a request asks of the sampler, validated on construction (vLLM's shape)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings.
+
+    ``temperature == 0`` is greedy (argmax of the penalised logits). Penalties follow vLLM/OpenAI:
+    ``repetition_penalty`` (> 0, 1 = off) divides positive / multiplies negative logits of every token seen in
+    prompt or output; ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) subtract a constant / a
+    count-proportional amount for tokens already generated. ``seed`` makes the request's randomness a pure
+    function of (seed, position), independent of batching.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stop_strings: tuple[str, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 0 (0 = off)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1] (1 = off)")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "a number in [0, 1] (0 = off)")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2 <= value <= 2:
+                raise bad(name, "a number in [-2, 2] (0 = off)")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", "an integer >= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", "an integer or None")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
+        self.stop_strings = tuple(stops)
+        ids = list(self.stop_token_ids or [])
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise bad("stop_token_ids", "a list of non-negative token ids")
+        self.stop_token_ids = ids
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
