@@ -74,10 +74,10 @@ class EngineConfig:
                              f"{max_model_len}; need at least {min_blocks} blocks of {block_size}")
         budget = max_num_batched_tokens if max_num_batched_tokens is not None else max(2048, max_model_len)
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
-                   num_kv_blocks, seed, _eos_ids(path, model_config))
+                   num_kv_blocks, seed, eos_ids(path, model_config))
 
 
-def _eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:
+def eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:
     """Every eos id the model uses: config.json, generation_config.json and the tokenizer's eos token."""
     ids = set(config.eos_token_ids)
     gen = os.path.join(path, "generation_config.json")
@@ -86,3 +86,33 @@ def _eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:
             eos = json.load(f).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
     return tuple(sorted(ids))
+
+
+SPECULATIVE_METHODS = ("draft_model",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to speculate. ``LLM(model, speculative=None)`` is plain decoding.
+
+    Args:
+        method: "draft_model" (a smaller model of the same tokenizer proposes tokens).
+        draft_model: the draft's folder / .gguf / hub id (method "draft_model").
+        num_speculative_tokens: k, the most tokens drafted per round (>= 1).
+        draft_dtype: the draft's dtype; None = the target's. Losslessness does not depend on it: the accept test
+            uses exactly the q the draft sampled from.
+    """
+
+    method: str = "draft_model"
+    draft_model: str | None = None
+    num_speculative_tokens: int = 5
+    draft_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; supported: {SPECULATIVE_METHODS}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "draft_model" and not self.draft_model:
+            raise ValueError("method 'draft_model' needs draft_model (a folder, .gguf file or hub repo id)")

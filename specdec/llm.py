@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import torch
 
-from specdec.config import EngineConfig
+from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.engine import LLMEngine
 from specdec.outputs import RequestOutput
 from specdec.sampling.params import SamplingParams
@@ -24,6 +24,7 @@ class LLM:
         max_num_seqs: most requests decoded together.
         num_kv_blocks / kv_cache_memory_gb: pool size in blocks, or in GiB when blocks are not given.
         seed: seeds the per-request seeds of requests that give none.
+        speculative: a SpeculativeConfig to decode speculatively (lossless), or None for plain decoding.
     """
 
     def __init__(
@@ -38,13 +39,18 @@ class LLM:
         num_kv_blocks: int | None = None,
         kv_cache_memory_gb: float = 1.0,
         seed: int = 0,
+        speculative: SpeculativeConfig | None = None,
     ):
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
         config = EngineConfig.create(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
+            lookahead_slots=speculative.num_speculative_tokens if speculative else 0,
         )
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, speculative)
+        self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call
 
     @property
     def tokenizer(self):
@@ -83,6 +89,7 @@ class LLM:
     ) -> Iterator[str]:
         """Yield text deltas of one request as they become safe to show (no partial UTF-8, no stop prefix)."""
         rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids)
+        self.last_stream_output = None
         shown = 0
         try:
             while True:
@@ -93,6 +100,7 @@ class LLM:
                         yield text[shown:]
                         shown = len(text)
                     if out.finished:
+                        self.last_stream_output = out
                         return
                 if not self.engine.has_unfinished_requests():
                     return

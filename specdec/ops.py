@@ -15,6 +15,7 @@ import torch
 
 from specdec.kernels import paged_attention as _attention
 from specdec.kernels import softmax as _softmax
+from specdec.kernels import spec_sample as _spec_sample
 from specdec.kernels import top_k_top_p as _top_k_top_p
 
 _force_triton = False
@@ -74,3 +75,24 @@ def top_k_top_p_min_p(
     if use_triton(probs):
         return _launcher(_top_k_top_p, "top_k_top_p_min_p")(probs, top_k, top_p, min_p)
     return _top_k_top_p.top_k_top_p_min_p_reference(probs, top_k, top_p, min_p)
+
+
+def spec_sample(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    draft_is_onehot: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_num_draft_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative verification ``(output_token_ids int64 [B, max_k + 1], num_accepted int32 [B])``; see the
+    layout in ``specdec.kernels.spec_sample``."""
+    fn = _launcher(_spec_sample, "spec_sample") if use_triton(target_probs) else _spec_sample.spec_sample_reference
+    return fn(
+        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy, draft_is_onehot,
+        seeds, positions, max_num_draft_tokens,
+    )  # fmt: skip

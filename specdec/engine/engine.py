@@ -14,7 +14,8 @@ from specdec.engine.detokenizer import append_text, finalize_text
 from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
 from specdec.engine.sequence import Sequence, Status
-from specdec.config import EngineConfig
+from specdec.engine.speculative import SpeculativeDecoder
+from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_model
 from specdec.model.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ from specdec.sampling.sampler import sample_next_tokens
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, speculative: SpeculativeConfig | None = None):
         self.config = config
         self.model_config: ModelConfig = config.model_config
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model_path)
@@ -35,10 +36,18 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype, config.device)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
-        self.scheduler = Scheduler([self.block_manager], config.max_num_seqs, config.max_num_batched_tokens)
+        self.speculative = SpeculativeDecoder(config, speculative, self.tokenizer) if speculative else None
+        if self.speculative is None:
+            self.scheduler = Scheduler([self.block_manager], config.max_num_seqs, config.max_num_batched_tokens)
+        else:
+            # target and draft pools are allocated in lockstep; the lookahead is the request's k_eff
+            self.scheduler = Scheduler([self.block_manager, self.speculative.block_manager], config.max_num_seqs,
+                                       config.max_num_batched_tokens, lookahead=self.speculative.lookahead)
+            self.scheduler.on_free.append(self.speculative.free)
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
+        self._seq_by_request: dict[str, Sequence] = {}  # also finished ones of the current step, for metrics
 
     # --- requests ------------------------------------------------------------------------------------------
     def validate_request(
@@ -110,8 +119,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        new_tokens = self._plain_step(batch)
-        return self._process(batch.seqs, new_tokens)
+        if self.speculative is None:
+            return self._process(batch.seqs, self._plain_step(batch))
+        rounds_before = {s.seq_id: (s.metrics.num_rounds, len(s.output_token_ids)) for s in batch.seqs}
+        outputs = self._process(batch.seqs, self.speculative.step(batch, self.runner, self.block_manager))
+        for seq in batch.seqs:
+            rounds, length = rounds_before[seq.seq_id]
+            if seq.metrics.num_rounds > rounds:  # tokens this round emitted (after stop truncation)
+                seq.metrics.num_round_tokens += len(seq.output_token_ids) - length
+        return self._refresh_metrics(outputs)
 
     def _plain_step(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         items, sampling = [], []
@@ -140,6 +156,7 @@ class LLMEngine:
     def _process(self, seqs: list[Sequence], new_tokens: dict[int, list[int]]) -> list[RequestOutput]:
         """Append accepted tokens, check stop conditions token by token, free finished requests."""
         outputs = []
+        self._seq_by_request = {s.request_id: s for s in seqs}
         now = time.perf_counter()
         for seq in seqs:
             tokens = new_tokens.get(seq.seq_id)
@@ -156,6 +173,13 @@ class LLMEngine:
                     break
             seq.metrics.num_generated_tokens = len(seq.output_token_ids)
             outputs.append(self._output(seq))
+        return outputs
+
+    def _refresh_metrics(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:
+            seq = self._seq_by_request.get(out.request_id)
+            if seq is not None:
+                out.metrics = seq.metrics.as_dict()
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:

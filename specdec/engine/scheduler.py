@@ -39,7 +39,8 @@ class Scheduler:
         self.block_managers = block_managers
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.lookahead = lookahead
+        self.lookahead = lookahead  # extra slots a decoding sequence wants (its speculation length)
+        self.on_free: list[Callable[[Sequence], None]] = []  # called when a sequence's blocks are freed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -58,6 +59,8 @@ class Scheduler:
             self.waiting.remove(seq)
         for bm in self.block_managers:
             bm.free(seq.seq_id)
+        for hook in self.on_free:
+            hook(seq)
 
     # --- block helpers -------------------------------------------------------------------------------------
     def _can_reserve(self, seq: Sequence, target_len: int) -> bool:
@@ -77,10 +80,19 @@ class Scheduler:
             elif target_len > bm.seq_len(seq.seq_id):
                 bm.append_slots(seq.seq_id, target_len - bm.seq_len(seq.seq_id))
 
+    def _grant(self, seq: Sequence, base: int, desired: int) -> int | None:
+        """The largest lookahead in [0, desired] whose slots the pools can reserve, or None."""
+        for lookahead in range(desired, -1, -1):
+            if self._can_reserve(seq, base + lookahead):
+                return lookahead
+        return None
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         for bm in self.block_managers:
             bm.free(seq.seq_id)
+        for hook in self.on_free:
+            hook(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.metrics.num_preemptions += 1
@@ -101,15 +113,20 @@ class Scheduler:
             chunk = min(remaining, budget) if remaining > 1 else remaining
             if chunk <= 0:
                 continue
-            target_len = seq.num_computed + chunk + (self.lookahead(seq) if chunk == remaining else 0)
-            while not self._can_reserve(seq, target_len):
+            base = seq.num_computed + chunk
+            desired = self.lookahead(seq) if chunk == remaining else 0
+            # Under pressure, shrink the lookahead (speculation length) first, then preempt the newest.
+            granted = self._grant(seq, base, desired)
+            while granted is None:
                 victim = max(self.running, key=lambda s: s.seq_id)
                 self._preempt(victim)
                 if victim is seq:
                     break
+                granted = self._grant(seq, base, desired)
             if seq.status != Status.RUNNING:
                 continue
-            self._reserve(seq, target_len)
+            self._reserve(seq, base + granted)
+            seq.lookahead = granted
             seqs.append(seq)
             num_new.append(chunk)
             budget -= chunk
@@ -123,6 +140,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._reserve(seq, seq.num_tokens + self.lookahead(seq))
+            seq.lookahead = self.lookahead(seq) if chunk == remaining else 0
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)

@@ -91,6 +91,7 @@ class Sequence:
     status: Status = Status.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the target cache
+    lookahead: int = 0  # extra slots the scheduler granted this step (= speculation length k)
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # detokenisation state (engine/detokenizer.py)

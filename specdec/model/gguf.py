@@ -9,7 +9,6 @@ transformers' alike, so GGUF support stops here and never leaks into the model c
 
 Supported: architectures `llama` and `qwen2` with a byte-level BPE vocabulary whose pre-tokenizer
 (`tokenizer.ggml.pre`) is `smollm` or `qwen2`. Anything else raises `ValueError` naming what is supported.
-The tokenizer half lives in `gguf_tokenizer.py`-sized pieces at the end of this file.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ CONVERTER_VERSION = 1  # bump when the output of `convert_gguf` changes, so cach
 
 _GGUF_MAGIC = b"GGUF"
 _PROGRESS_MIN_BYTES = 256 * 1024**2  # show a dequantisation progress bar for files larger than this
-_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # values of `tokenizer.ggml.token_type`
 # Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json).
 _FAMILY_EOS_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
 # Qwen2's split regex (transformers `models/qwen2/tokenization_qwen2.py::PRETOKENIZE_REGEX`).
@@ -285,6 +284,10 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {list(SUPPORTED_PRE_TOKENIZERS)}")
 
 
+def _indices(values: list[int], wanted: int) -> list[int]:
+    return [i for i, value in enumerate(values) if value == wanted]
+
+
 def _special_token(tokens: list[str], md: _Metadata, key: str) -> str | None:
     token_id = md.get(f"tokenizer.ggml.{key}_token_id")
     return None if token_id is None else tokens[token_id]
@@ -309,16 +312,14 @@ def build_tokenizer(md: _Metadata, arch: str) -> tuple[Tokenizer, dict[str, Any]
     # NOTE: control tokens (type 3) are special; user-defined ones (4) are added tokens that are not special,
     # which is how llama.cpp's converter labelled them (HF `added_tokens` with `special: false`).
     types = md.get("tokenizer.ggml.token_type") or []
-    tokenizer.add_tokens(
-        [
-            AddedToken(tokens[i], special=kind == _TOKEN_TYPE_CONTROL, normalized=False)
-            for i, kind in enumerate(types)
-            if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
-        ]
-    )
+    control = [AddedToken(tokens[i], special=True, normalized=False) for i in _indices(types, _TOKEN_CONTROL)]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i in _indices(types, _TOKEN_USER_DEFINED)]
+    tokenizer.add_special_tokens(control)
+    tokenizer.add_tokens(user)
     bos, eos = _special_token(tokens, md, "bos"), _special_token(tokens, md, "eos")
-    add_bos, add_eos = bool(md.get("tokenizer.ggml.add_bos_token", False)), bool(md.get("tokenizer.ggml.add_eos_token", False))
-    if add_bos or add_eos:
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
+    if add_bos or add_eos:  # neither supported family sets these; honour them rather than drop them
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
         specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None]
         tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
@@ -335,13 +336,13 @@ def build_tokenizer(md: _Metadata, arch: str) -> tuple[Tokenizer, dict[str, Any]
     }
     if (template := md.get("tokenizer.chat_template")) is not None:
         tokenizer_config["chat_template"] = template
-    return tokenizer, tokenizer_config, _generation_config(tokens, md, arch)
+    return tokenizer, tokenizer_config, _generation_config(vocab, md, arch)
 
 
-def _generation_config(tokens: list[str], md: _Metadata, arch: str) -> dict[str, Any]:
+def _generation_config(vocab: dict[str, int], md: _Metadata, arch: str) -> dict[str, Any]:
     """bos / pad ids and every eos id the family stops on (an int when there is one, as HF writes it)."""
     eos_ids = [md.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-    eos_ids += [tokens.index(t) for t in _FAMILY_EOS_TOKENS.get(arch, ()) if t in tokens]
+    eos_ids += [vocab[t] for t in _FAMILY_EOS_TOKENS.get(arch, ()) if t in vocab]
     eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
     config = {"bos_token_id": md.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos_ids}
     if (pad := md.get("tokenizer.ggml.padding_token_id")) is not None:
@@ -364,8 +365,9 @@ def _read(path: str | os.PathLike, dtype: str) -> tuple[GGUFReader, dict, Tokeni
     tokenizer, tokenizer_config, generation_config = build_tokenizer(md, arch)
     tied = all(t.name != "output.weight" for t in reader.tensors)
     config = _build_config(md, arch, len(md.require("tokenizer.ggml.tokens")), tied, dtype)
+    # NOTE: every eos in config.json too (as Llama-3.1's has), so a loader that reads only config.json still stops.
     config["bos_token_id"] = generation_config["bos_token_id"]
-    config["eos_token_id"] = md.get("tokenizer.ggml.eos_token_id")
+    config["eos_token_id"] = generation_config["eos_token_id"]
     _check_tensors(reader, config)
     return reader, config, tokenizer, tokenizer_config, generation_config
 
@@ -470,6 +472,9 @@ def _atomic_directory(out_dir: Path) -> Iterator[Path]:
             tmp.rename(out_dir)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            tmp.rename(out_dir)  # raises if another process finished first: never merge two conversions
+            try:
+                tmp.rename(out_dir)
+            except OSError as e:  # another process finished first (ENOTEMPTY / EEXIST): never merge the two
+                raise FileExistsError(f"{out_dir} appeared while converting") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,351 @@
+"""Fused speculative verification: accept/reject of the drafts, residual (recovered) token and bonus token.
+
+Leviathan et al. 2023, section 2.3 (Algorithm 1), for a batch of requests with ragged draft lengths, one
+Triton program per request. Layout (flattened like vLLM's rejection sampler; N = total drafts, B = requests):
+
+    draft_token_ids      int64 [N]        drafts of request b are draft_token_ids[cu[b]:cu[b+1]] (k_b = cu[b+1] - cu[b])
+    cu_num_draft_tokens  int32 [B + 1]    cu[0] = 0, nondecreasing, cu[B] = N; k_b = 0 is allowed
+    draft_probs          fp32  [N, V]     standardized q of each draft (same rows as draft_token_ids), or None
+    target_probs         fp32  [N + B, V] standardized p; request b owns k_b + 1 rows starting at cu[b] + b:
+                                          row cu[b] + b + j is p at draft position j (j = k_b: the bonus row)
+    target_argmax        int64 [N + B]    argmax of the raw (penalised) target logits, same rows (greedy rows)
+    is_greedy            bool  [B]        temperature-0 request
+    draft_is_onehot      bool  [B]        deterministic drafter (n-gram, argmax): q is one-hot at the draft
+    seeds, positions     int64 [B]        request seed; absolute position of the first draft token
+    -> output_token_ids  int64 [B, max_k + 1]  accepted drafts, then one recovered/bonus token, then -1
+    -> num_accepted      int32 [B]        accepted drafts; row b emits num_accepted[b] + 1 tokens
+
+Per request, draft j sits at position positions[b] + j and the bonus at positions[b] + k_b.
+Sampled rows accept draft x_j iff ``u_j * q(x_j) < p(x_j)`` (P = min(1, p/q) without a division; q = 0 never
+divides), u_j = philox(seed, position, STREAM_ACCEPT, 0). At the first rejection the token is drawn from
+norm(max(p - q, 0)) as ``argmax(max(p - q, 0) / E)``, E_v = -log(philox(seed, position, STREAM_RESIDUAL, v)), so
+no normalisation and no host sync; if that residual is all zero (p <= q up to rounding) it is drawn from p the
+same way. All accepted: the bonus is ``argmax(p_k / E)`` on the same stream at the bonus position (q = 0 there,
+so it is the same formula). One-hot drafts: q = onehot(x), i.e. accept with probability p(x) and the residual is
+p with x zeroed; draft_probs is never read for those rows. Greedy rows accept while target_argmax == draft and
+emit target_argmax at the first mismatch (or at the bonus row).
+
+NOTE (exactness): kernel and reference use the same Philox uniforms bit for bit and the same fp32 products,
+differences and (round-to-nearest) quotients; only ``-log(u)`` may differ by an ulp between ``torch.log`` and
+``tl.log``. That can flip an argmax only when two candidates' scores tie to within an ulp, which is
+astronomically unlikely for continuous noise, so the two agree token for token in practice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
+
+_STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
+_STREAM_RESIDUAL: tl.constexpr = tl.constexpr(STREAM_RESIDUAL)
+
+
+@dataclass(frozen=True)
+class SpecSampleConfig:
+    """Launch settings of the kernel for one vocabulary size."""
+
+    block_v: int  # vocabulary chunk of the residual/bonus argmax loop (power of two)
+    num_warps: int
+
+
+def spec_sample_config(vocab_size: int) -> SpecSampleConfig:
+    """Fixed heuristic (no autotune): chunks of up to 2048 tokens; the kernel loops over longer vocabularies.
+
+    NOTE: a chunk holds p, q, the Philox state (4 counters + 2 keys) and the score per element; 2048 over
+    8 warps is 8 elements per thread, which keeps the Philox rounds in registers without spilling.
+    """
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    block_v = min(triton.next_power_of_2(vocab_size), 2048)
+    return SpecSampleConfig(block_v=block_v, num_warps=4 if block_v <= 1024 else 8)
+
+
+@triton.jit
+def _argmax_over_noise(
+    p_row_ptr,  # fp32 [V] target row
+    q_row_ptr,  # fp32 [V] draft row (read only where load_q)
+    load_q,  # scalar bool: subtract the draft row
+    onehot_token,  # scalar int: subtract a one-hot q at this token (-1: none)
+    seed,
+    position,
+    vocab_size,
+    BLOCK_V: tl.constexpr,
+):
+    """(argmax_v max(p_v - q_v, 0) / E_v, max_v max(p_v - q_v, 0)) with E_v = -log(philox(seed, position, v))."""
+    best_score = tl.full([], -1.0, tl.float32)
+    best_index = tl.full([], 0, tl.int32)
+    max_residual = tl.full([], 0.0, tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+        in_vocab = offs < vocab_size
+        p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
+        q = tl.load(q_row_ptr + offs, mask=tl.where(load_q, in_vocab, False), other=0.0)
+        q = tl.where(offs == onehot_token, 1.0, q)
+        residual = tl.maximum(p - q, 0.0)
+        noise = -tl.log(philox_uniform_tl(seed, position, _STREAM_RESIDUAL, offs))  # Exp(1), finite, > 0
+        score = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
+        chunk_best = tl.max(score, 0)
+        chunk_index = tl.argmax(score, 0)  # first index of the max, like torch.argmax
+        better = chunk_best > best_score  # strict: an earlier chunk wins ties, as in a global argmax
+        best_index = tl.where(better, start + chunk_index, best_index)
+        best_score = tl.where(better, chunk_best, best_score)
+        max_residual = tl.maximum(max_residual, tl.max(residual, 0))
+    return best_index, max_residual
+
+
+@triton.jit(do_not_specialize=["max_num_draft_tokens"])
+def _spec_sample_kernel(
+    out_ptr,  # int64 [B, max_k + 1]
+    num_accepted_ptr,  # int32 [B]
+    draft_ids_ptr,  # int64 [N]
+    cu_ptr,  # int32 [B + 1]
+    draft_probs_ptr,  # fp32 [N, V] (any fp32 tensor when not HAS_DRAFT_PROBS; never read then)
+    target_probs_ptr,  # fp32 [N + B, V]
+    target_argmax_ptr,  # int64 [N + B]
+    is_greedy_ptr,  # bool [B]
+    onehot_ptr,  # bool [B]
+    seeds_ptr,  # int64 [B]
+    positions_ptr,  # int64 [B]
+    max_num_draft_tokens,
+    vocab_size,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # >= max_num_draft_tokens + 1 (padding store)
+):
+    req = tl.program_id(0).to(tl.int64)
+    first_draft = tl.load(cu_ptr + req).to(tl.int64)
+    # NOTE: clamped so a caller's wrong max_num_draft_tokens can never write outside the output row.
+    num_drafts = tl.minimum(tl.load(cu_ptr + req + 1).to(tl.int64) - first_draft, max_num_draft_tokens)
+    first_target = first_draft + req  # request b's target rows start at cu[b] + b
+    greedy = tl.load(is_greedy_ptr + req) != 0
+    if HAS_DRAFT_PROBS:
+        onehot = tl.load(onehot_ptr + req) != 0
+    else:
+        onehot = greedy | True
+    seed = tl.load(seeds_ptr + req)
+    position = tl.load(positions_ptr + req)
+    out_row_ptr = out_ptr + req * (max_num_draft_tokens + 1)
+
+    # Accept drafts in order until the first rejection (a while loop with a flag: no `break` on GPUs).
+    n = first_draft * 0  # int64 number accepted so far
+    accepting = num_drafts > 0
+    while accepting:
+        draft = tl.load(draft_ids_ptr + first_draft + n)
+        target_row = first_target + n
+        read_probs = (draft >= 0) & (draft < vocab_size) & (not greedy)
+        p_x = tl.load(target_probs_ptr + target_row * vocab_size + draft, mask=read_probs, other=0.0)
+        q_x = tl.load(
+            draft_probs_ptr + (first_draft + n) * vocab_size + draft, mask=read_probs & (not onehot), other=1.0
+        )
+        u = philox_uniform_tl(seed, position + n, _STREAM_ACCEPT, n * 0)  # in (0, 1)
+        sampled_ok = u * q_x < p_x  # u < p/q without dividing
+        greedy_ok = tl.load(target_argmax_ptr + target_row) == draft
+        ok = tl.where(greedy, greedy_ok, sampled_ok)
+        tl.store(out_row_ptr + n, draft, mask=ok)
+        n += ok.to(tl.int64)
+        accepting = ok & (n < num_drafts)
+
+    # One more token at position n: the recovered token after a rejection, or the bonus token.
+    final_row = first_target + n
+    token = tl.load(target_argmax_ptr + final_row)
+    if not greedy:
+        rejected = n < num_drafts
+        rejected_draft = tl.load(draft_ids_ptr + first_draft + n, mask=rejected & onehot, other=-1)
+        p_row_ptr = target_probs_ptr + final_row * vocab_size
+        q_row_ptr = draft_probs_ptr + (first_draft + n) * vocab_size
+        sampled, max_residual = _argmax_over_noise(
+            p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, seed, position + n, vocab_size, BLOCK_V
+        )
+        if max_residual <= 0.0:  # residual all zero (p <= q up to rounding): sample from p itself
+            sampled, max_residual = _argmax_over_noise(
+                p_row_ptr, q_row_ptr, rejected & False, rejected_draft * 0 - 1, seed, position + n, vocab_size, BLOCK_V
+            )
+        token = sampled.to(tl.int64)
+    tl.store(out_row_ptr + n, token)
+    tl.store(num_accepted_ptr + req, n.to(tl.int32))
+    cols = tl.arange(0, BLOCK_K)
+    tl.store(out_row_ptr + cols, tl.full([BLOCK_K], -1, tl.int64), mask=(cols > n) & (cols <= max_num_draft_tokens))
+
+
+def spec_sample(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    draft_is_onehot: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_num_draft_tokens: int,
+    *,
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused verification of a batch of ragged draft chains (Triton); layout in the module docstring.
+
+    Args:
+        draft_token_ids: int64 ``[N]``.
+        cu_num_draft_tokens: int32 ``[B + 1]``.
+        draft_probs: fp32 ``[N, V]``, or None when every row is one-hot (then every row is treated as one-hot).
+        target_probs: fp32 ``[N + B, V]`` standardized p.
+        target_argmax: int64 ``[N + B]`` argmax of the raw target logits.
+        is_greedy, draft_is_onehot: bool ``[B]``.
+        seeds, positions: int64 ``[B]``.
+        max_num_draft_tokens: max_b k_b (passed in so the launcher never syncs).
+        block_v: override of the vocabulary chunk (tests use it to cover several chunks on a small vocab).
+    Returns:
+        output_token_ids: int64 ``[B, max_num_draft_tokens + 1]`` padded with -1.
+        num_accepted: int32 ``[B]``.
+    """
+    _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
+                  draft_is_onehot, seeds, positions, max_num_draft_tokens)
+    if not target_probs.is_cuda:
+        # NOTE: reading values is free off the GPU (the interpreter would crash on a bad index); on CUDA it
+        # would be a host sync, so there the caller's metadata is trusted (the kernel still clamps k_b).
+        _check_values(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot,
+                      max_num_draft_tokens)
+    batch, vocab = seeds.shape[0], target_probs.shape[1]
+    out = torch.empty((batch, max_num_draft_tokens + 1), dtype=torch.int64, device=target_probs.device)
+    num_accepted = torch.empty(batch, dtype=torch.int32, device=target_probs.device)
+    if batch == 0:
+        return out, num_accepted
+    config = spec_sample_config(vocab)
+    if block_v is not None:
+        if block_v < 1 or block_v & (block_v - 1):
+            raise ValueError(f"block_v must be a power of two, got {block_v}")
+        config = SpecSampleConfig(block_v=block_v, num_warps=config.num_warps)
+    _spec_sample_kernel[(batch,)](
+        out, num_accepted, draft_token_ids, cu_num_draft_tokens,
+        target_probs if draft_probs is None else draft_probs, target_probs, target_argmax,
+        is_greedy, draft_is_onehot, seeds, positions, max_num_draft_tokens, vocab,
+        HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=config.block_v,
+        BLOCK_K=triton.next_power_of_2(max_num_draft_tokens + 1), num_warps=config.num_warps,
+    )  # fmt: skip
+    return out, num_accepted
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Unnormalised residual ``max(p - q, 0)`` (fp32 ``[R, V]``); a named step so tests can plant mutants in it."""
+    return torch.clamp(p - q, min=0.0)
+
+
+def spec_sample_reference(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    draft_is_onehot: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_num_draft_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference (the CPU path and the test oracle) of :func:`spec_sample`; same arguments and outputs.
+
+    Raises ``ValueError`` on bad shapes/dtypes and on bad metadata values (it reads them; it is not the GPU path).
+    """
+    _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
+                  draft_is_onehot, seeds, positions, max_num_draft_tokens)
+    _check_values(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot,
+                  max_num_draft_tokens)
+    device = target_probs.device
+    batch, vocab, max_k = seeds.shape[0], target_probs.shape[1], max_num_draft_tokens
+    num_total = draft_token_ids.shape[0]
+    onehot = torch.ones_like(draft_is_onehot) if draft_probs is None else draft_is_onehot
+    rows = torch.arange(batch, device=device)  # (B,)
+    cu = cu_num_draft_tokens.long()
+    num_drafts = cu[1:] - cu[:-1]  # (B,)
+    j = torch.arange(max_k, device=device)  # (K,)
+    has_draft = j[None, :] < num_drafts[:, None]  # (B, K)
+    draft_idx = torch.where(has_draft, cu[:-1, None] + j, num_total)  # (B, K); N = a padding slot
+    target_row = torch.where(has_draft, (cu[:-1] + rows)[:, None] + j, 0)  # (B, K)
+
+    # Accept / reject every draft; the accepted prefix ends at the first rejection.
+    drafts = torch.cat([draft_token_ids, draft_token_ids.new_zeros(1)])[draft_idx]  # (B, K), 0 where padded
+    p_x = target_probs[target_row, drafts]  # (B, K)
+    model_q = draft_probs if draft_probs is not None and num_total > 0 else None  # None: q is one-hot or unused
+    if model_q is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        q_x = torch.where(onehot[:, None], 1.0, model_q[draft_idx.clamp(max=num_total - 1), drafts])
+    u = philox_uniform(seeds[:, None], positions[:, None] + j, STREAM_ACCEPT, torch.zeros_like(j))  # (B, K)
+    ok = torch.where(is_greedy[:, None], target_argmax[target_row] == drafts, u * q_x < p_x) & has_draft
+    n = ok.long().cumprod(dim=-1).sum(dim=-1)  # (B,) length of the accepted prefix
+
+    # The recovered token at the first rejection, or the bonus token, at position n.
+    rejected = n < num_drafts  # (B,)
+    final_row = cu[:-1] + rows + n  # (B,)
+    p = target_probs[final_row]  # (B, V)
+    q = torch.zeros_like(p)  # (B, V): no draft to subtract at the bonus position
+    rejected_draft = drafts.gather(1, n.clamp(max=max(max_k - 1, 0))[:, None]).squeeze(1) if max_k else rows * 0
+    if model_q is not None:
+        q_rows = model_q[(cu[:-1] + n).clamp(max=num_total - 1)]  # (B, V)
+        q = torch.where((rejected & ~onehot)[:, None], q_rows, q)
+    onehot_q = torch.nn.functional.one_hot(rejected_draft, vocab).float()  # (B, V)
+    q = torch.where((rejected & onehot)[:, None], onehot_q, q)
+    residual = residual_distribution(p, q)  # (B, V)
+    dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
+    noise = row_exponentials(seeds, positions + n, STREAM_RESIDUAL, vocab)  # (B, V) Exp(1)
+    sampled = (dist / noise).argmax(dim=-1)  # (B,)
+    token = torch.where(is_greedy, target_argmax[final_row], sampled)  # (B,)
+
+    out = torch.where(j[None, :] < n[:, None], drafts, -1)  # (B, K) accepted prefix
+    out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # (B, K + 1)
+    out.scatter_(1, n[:, None], token[:, None])
+    return out, n.to(torch.int32)
+
+
+def _check_inputs(
+    draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy, draft_is_onehot,
+    seeds, positions, max_num_draft_tokens,
+) -> None:  # fmt: skip
+    """Shapes, dtypes, devices and contiguity (no value reads: this runs on the GPU path too)."""
+    if not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 0:
+        raise ValueError(f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
+    if target_probs.ndim != 2:
+        raise ValueError(f"target_probs must be [N + B, V], got shape {tuple(target_probs.shape)}")
+    if cu_num_draft_tokens.ndim != 1 or cu_num_draft_tokens.shape[0] < 1:
+        raise ValueError(f"cu_num_draft_tokens must be [B + 1], got shape {tuple(cu_num_draft_tokens.shape)}")
+    num_total, batch, vocab = draft_token_ids.shape[0], cu_num_draft_tokens.shape[0] - 1, target_probs.shape[1]
+    expected = {
+        "draft_token_ids": (draft_token_ids, torch.int64, (num_total,)),
+        "cu_num_draft_tokens": (cu_num_draft_tokens, torch.int32, (batch + 1,)),
+        "target_probs": (target_probs, torch.float32, (num_total + batch, vocab)),
+        "target_argmax": (target_argmax, torch.int64, (num_total + batch,)),
+        "is_greedy": (is_greedy, torch.bool, (batch,)),
+        "draft_is_onehot": (draft_is_onehot, torch.bool, (batch,)),
+        "seeds": (seeds, torch.int64, (batch,)),
+        "positions": (positions, torch.int64, (batch,)),
+    }
+    if draft_probs is not None:
+        expected["draft_probs"] = (draft_probs, torch.float32, (num_total, vocab))
+    for name, (tensor, dtype, shape) in expected.items():
+        if tensor.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (N={num_total}, B={batch}), got {tuple(tensor.shape)}")
+        if tensor.device != target_probs.device:
+            raise ValueError(f"{name} is on {tensor.device} but target_probs is on {target_probs.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous())")
+
+
+def _check_values(
+    draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot, max_num_draft_tokens
+) -> None:
+    """Metadata values (reads tensors: a host sync on CUDA, so the CUDA launcher skips it)."""
+    cu = cu_num_draft_tokens.long()
+    num_drafts = cu[1:] - cu[:-1]
+    if cu[0].item() != 0 or cu[-1].item() != draft_token_ids.shape[0] or bool((num_drafts < 0).any()):
+        raise ValueError("cu_num_draft_tokens must start at 0, be nondecreasing and end at len(draft_token_ids)")
+    if num_drafts.numel() and num_drafts.max().item() > max_num_draft_tokens:
+        raise ValueError(f"a request has {num_drafts.max().item()} drafts > max_num_draft_tokens={max_num_draft_tokens}")
+    if bool(((draft_token_ids < 0) | (draft_token_ids >= target_probs.shape[1])).any()):
+        raise ValueError(f"draft_token_ids must lie in [0, {target_probs.shape[1]})")
+    if draft_probs is None and not bool(draft_is_onehot.all()):
+        raise ValueError("draft_probs=None needs every row to be one-hot (draft_is_onehot all True)")

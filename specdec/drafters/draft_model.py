@@ -1,0 +1,89 @@
+"""A smaller model drafts k tokens autoregressively, batched over every speculating request.
+
+The draft has its own paged KV pool whose blocks are allocated and freed in lockstep with the target's (the
+scheduler reserves both). Its cache is filled lazily and caught up in one ragged prefill fused into the first
+draft step: whatever tokens it lacks (the prompt on first use; the last draft and the bonus token after an
+all-accepted round; tokens from plain steps) are fed before it drafts. Invariant when drafting starts: the
+draft's KV covers exactly the tokens the target's covers, plus the catch-up it is fed in that same forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.cache.block_manager import BlockManager
+from specdec.cache.kv_pool import KVPool
+from specdec.drafters.base import DraftProposal
+from specdec.engine.model_runner import ForwardItem, ModelRunner
+from specdec.engine.sequence import Sequence
+from specdec.kernels.philox import STREAM_DRAFT
+from specdec.model.config import ModelConfig
+from specdec.model.llama import LlamaForCausalLM
+from specdec.sampling.sampler import sample_rows
+
+
+class DraftModelDrafter:
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, block_manager: BlockManager, pool: KVPool,
+                 device: torch.device, target_vocab_size: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.runner = ModelRunner(model, pool, block_manager, device)
+        self.target_vocab_size = target_vocab_size
+        self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        q_rows: list[list[torch.Tensor | None]] = [[] for _ in seqs]
+        active = [i for i, k in enumerate(num_tokens) if k > 0]
+        # Step 0 feeds everything the draft cache lacks (lazy prefill / catch-up) and drafts the first token.
+        items = []
+        for i in active:
+            seq = seqs[i]
+            have = self.kv_len.get(seq.seq_id, 0)
+            items.append(ForwardItem(seq.seq_id, seq.all_token_ids[have:], have, 1))
+        step = 0
+        while items:
+            logits = self.runner.forward(items)  # (len(items), V_draft)
+            for i in active:
+                seqs[i].metrics.draft_forwards += 1
+                self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
+            tokens, probs = self._sample(logits, [seqs[i] for i in active], [drafts[i] for i in active])
+            for row, i in enumerate(active):
+                drafts[i].append(int(tokens[row]))
+                q_rows[i].append(probs[row] if probs is not None else None)
+            step += 1
+            active = [i for i in active if num_tokens[i] > step]
+            items = [ForwardItem(seqs[i].seq_id, [drafts[i][-1]], seqs[i].num_tokens + step - 1, 1) for i in active]
+        is_onehot = [seq.params.is_greedy for seq in seqs]  # greedy drafts are deterministic: q is one-hot
+        flat_q = [q for i, rows in enumerate(q_rows) if not is_onehot[i] for q in rows]
+        probs = None
+        if flat_q:
+            vocab = self.target_vocab_size
+            probs = torch.zeros(sum(len(d) for d in drafts), vocab, dtype=torch.float32, device=flat_q[0].device)
+            r = 0
+            for i, rows in enumerate(q_rows):
+                for q in rows:
+                    if q is not None and not is_onehot[i]:
+                        probs[r, : q.shape[0]] = q  # a smaller draft vocab is zero-padded
+                    r += 1
+        return DraftProposal(drafts, probs, is_onehot)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]):
+        """Draw the next draft token of each row from q, the standardized draft distribution (same transform and
+        the same penalty context - prompt + output + earlier drafts - as the target's p)."""
+        return sample_rows(
+            logits,
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [s.num_tokens + len(d) for s, d in zip(seqs, drafts)],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids + d for s, d in zip(seqs, drafts)],
+            STREAM_DRAFT,
+        )
+
+    def rollback(self, seq: Sequence, kv_len: int) -> None:
+        if seq.seq_id in self.kv_len:
+            self.kv_len[seq.seq_id] = min(self.kv_len[seq.seq_id], kv_len)
+
+    def free(self, seq: Sequence) -> None:
+        self.kv_len.pop(seq.seq_id, None)

@@ -1,0 +1,84 @@
+"""Verification: standardize the target's p at every draft position, then accept/reject + residual + bonus.
+
+The accept/reject itself is one op (``ops.spec_sample``: the fused Triton kernel on CUDA, its torch reference
+on CPU). This module builds its inputs: p with the same transform and per-position penalty context that
+produced q, the raw-logit argmax for greedy rows, and the flattened draft layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec import ops
+from specdec.drafters.base import DraftProposal
+from specdec.engine.sequence import Sequence
+from specdec.sampling.penalties import penalty_context
+from specdec.sampling.sampler import check_finite, greedy
+from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize
+
+
+@dataclass
+class VerifyResult:
+    emitted: list[list[int]]  # per request: accepted drafts, then the correction or bonus token
+    num_accepted: list[int]
+
+
+def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) -> VerifyResult:
+    """Accept/reject the drafts of ``seqs``.
+
+    Args:
+        logits: fp32 ``[sum(k_b + 1), V]`` target logits; request b owns k_b + 1 consecutive rows (p at each draft
+            position, then the bonus position).
+        proposal: the drafts and their q.
+    """
+    device = logits.device
+    drafts = proposal.token_ids
+    # One row per verification position; row j of request b is conditioned on output + drafts[:j].
+    row_params = [s.params for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+    st = SamplingTensors.from_params(row_params, device)
+    if st.any_penalty:
+        prompts = [s.prompt_token_ids for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
+        outputs = [s.output_token_ids + d[:j] for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], device)
+        logits = apply_penalties(logits, seen, counts, st)
+    target_argmax = greedy(logits)  # (R,) the same argmax plain greedy decoding uses
+    if st.all_greedy:
+        check_finite(logits)
+        return _verify_greedy(target_argmax.tolist(), drafts)
+    target_probs = standardize(logits, st)  # (R, V), raises on NaN/inf rows
+    cu = [0]
+    for d in drafts:
+        cu.append(cu[-1] + len(d))
+    flat = [t for d in drafts for t in d]
+    out, num_accepted = ops.spec_sample(
+        torch.tensor(flat, dtype=torch.int64, device=device),
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        proposal.probs,
+        target_probs,
+        target_argmax,
+        torch.tensor([s.params.is_greedy for s in seqs], dtype=torch.bool, device=device),
+        torch.tensor(proposal.is_onehot, dtype=torch.bool, device=device),
+        torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
+        torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
+        max(len(d) for d in drafts),
+    )
+    num_accepted = num_accepted.tolist()  # the one host sync of the round: the scheduler needs the counts
+    out = out.tolist()
+    return VerifyResult([row[: n + 1] for row, n in zip(out, num_accepted)], num_accepted)
+
+
+def _verify_greedy(target_argmax: list[int], drafts: list[list[int]]) -> VerifyResult:
+    """All rows greedy: accept while the target's argmax equals the draft; emit the argmax at the first mismatch
+    (or the bonus argmax). Identical to the greedy rows of ``spec_sample``, without building probabilities."""
+    emitted, accepted = [], []
+    row = 0
+    for d in drafts:
+        n = 0
+        while n < len(d) and target_argmax[row + n] == d[n]:
+            n += 1
+        emitted.append(d[:n] + [target_argmax[row + n]])
+        accepted.append(n)
+        row += len(d) + 1
+    return VerifyResult(emitted, accepted)
