@@ -64,14 +64,16 @@ class BlockManager:
         self._tables[seq_id].extend(self._free.popleft() for _ in range(extra))
         self._lens[seq_id] += num_new
 
-    def truncate_to(self, seq_id: int, new_len: int) -> None:
-        """Shrink ``seq_id`` to ``new_len`` slots, freeing every block wholly beyond ``new_len``."""
+    def truncate_to(self, seq_id: int, new_len: int) -> int:
+        """Shrink ``seq_id`` to ``new_len`` slots, freeing every block wholly beyond ``new_len``; returns how many."""
         assert 0 <= new_len <= self._lens[seq_id], f"truncate_to({new_len}) beyond length {self._lens[seq_id]}"
         table = self._tables[seq_id]
         keep = self.blocks_needed(new_len)
+        freed = len(table) - keep
         self._free.extend(table[keep:])
         del table[keep:]
         self._lens[seq_id] = new_len
+        return freed
 
     def free(self, seq_id: int) -> None:
         """Give back all blocks of ``seq_id`` (a no-op for unknown ids)."""

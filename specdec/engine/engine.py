@@ -110,6 +110,11 @@ class LLMEngine:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
 
+    @property
+    def stats(self) -> dict:
+        """Engine-wide counters (speculative rollbacks)."""
+        return dict(self.speculative.stats) if self.speculative else {}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -38,6 +38,7 @@ class SpeculativeDecoder:
         model = load_model(path, dtype, config.device, self.draft_max_positions + 1, draft_config)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         pool = KVPool(draft_config, config.num_kv_blocks, config.block_size, dtype, config.device)
+        self.stats = {"rollback_freed_blocks": 0}  # engine-wide counters (tests assert page-boundary rollbacks)
         self.drafter = DraftModelDrafter(model, draft_config, self.block_manager, pool, config.device,
                                          config.model_config.vocab_size)
 
@@ -97,8 +98,9 @@ class SpeculativeDecoder:
                 self._record(seq, len(d), accepted)
                 # Rollback: keep K/V of the last token and the accepted drafts; free blocks beyond, in both pools.
                 seq.num_computed += 1 + accepted
-                target_block_manager.truncate_to(seq.seq_id, seq.num_computed)
+                freed = target_block_manager.truncate_to(seq.seq_id, seq.num_computed)
                 self.block_manager.truncate_to(seq.seq_id, seq.num_computed)
+                self.stats["rollback_freed_blocks"] += freed
                 self.drafter.rollback(seq, seq.num_computed)
                 new_tokens[seq.seq_id] = emitted
         return new_tokens
