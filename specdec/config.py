@@ -88,7 +88,8 @@ def eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-SPECULATIVE_METHODS = ("draft_model",)
+SPECULATIVE_METHODS = ("draft_model", "ngram", "prompt_lookup", "combined")
+MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram")
 
 
 @dataclass
@@ -96,17 +97,35 @@ class SpeculativeConfig:
     """How to speculate. ``LLM(model, speculative=None)`` is plain decoding.
 
     Args:
-        method: "draft_model" (a smaller model of the same tokenizer proposes tokens).
-        draft_model: the draft's folder / .gguf / hub id (method "draft_model").
+        method: "draft_model" (a smaller model of the same tokenizer drafts), "ngram" (frequency tables of the
+            request's own tokens), "prompt_lookup" (copy what followed the latest earlier match of the text's
+            suffix; vLLM calls this "ngram"), or "combined" (a model-free match when there is one, else the draft
+            model).
+        draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined").
         num_speculative_tokens: k, the most tokens drafted per round (>= 1).
         draft_dtype: the draft's dtype; None = the target's. Losslessness does not depend on it: the accept test
             uses exactly the q the draft sampled from.
+        ngram_min_order / ngram_max_order / ngram_window: n-gram orders (2..4 = contexts of 1..3 tokens) and the
+            sliding window of tokens the tables describe.
+        prompt_lookup_min / prompt_lookup_max: suffix lengths tried, longest first.
+        combined_lookup: the model-free drafter "combined" tries first: "prompt_lookup" or "ngram".
+        adaptive: choose k per request in [0, k] from its online acceptance and the measured costs; k = 0
+            switches speculation off for the request (with occasional probes).
+        cost_model: inject the costs adaptive k uses (see specdec.engine.adaptive); None = measured.
     """
 
     method: str = "draft_model"
     draft_model: str | None = None
     num_speculative_tokens: int = 5
     draft_dtype: str | None = None
+    ngram_min_order: int = 2
+    ngram_max_order: int = 4
+    ngram_window: int = 512
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    combined_lookup: str = "prompt_lookup"
+    adaptive: bool = False
+    cost_model: object | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -114,5 +133,25 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-        if self.method == "draft_model" and not self.draft_model:
-            raise ValueError("method 'draft_model' needs draft_model (a folder, .gguf file or hub repo id)")
+        uses_model = self.method in ("draft_model", "combined")
+        if uses_model and not self.draft_model:
+            raise ValueError(f"method {self.method!r} needs draft_model (a folder, .gguf file or hub repo id)")
+        if not uses_model and self.draft_model:
+            raise ValueError(f"method {self.method!r} uses no draft model; drop draft_model or use 'combined'")
+        if not 2 <= self.ngram_min_order <= self.ngram_max_order:
+            raise ValueError(f"n-gram orders must satisfy 2 <= ngram_min_order <= ngram_max_order, got "
+                             f"{self.ngram_min_order}, {self.ngram_max_order}")
+        if self.ngram_window < self.ngram_max_order:
+            raise ValueError(f"ngram_window ({self.ngram_window}) must be >= ngram_max_order ({self.ngram_max_order})")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt lookup lengths must satisfy 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.combined_lookup not in MODEL_FREE_LOOKUPS:
+            raise ValueError(f"combined_lookup {self.combined_lookup!r} is not supported; supported: "
+                             f"{MODEL_FREE_LOOKUPS}")
+        if self.cost_model is not None and not self.adaptive:
+            raise ValueError("cost_model is only used with adaptive=True")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method in ("draft_model", "combined")

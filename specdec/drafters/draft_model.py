@@ -9,6 +9,8 @@ draft's KV covers exactly the tokens the target's covers, plus the catch-up it i
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.cache.block_manager import BlockManager
@@ -30,6 +32,7 @@ class DraftModelDrafter:
         self.runner = ModelRunner(model, pool, block_manager, device)
         self.target_vocab_size = target_vocab_size
         self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
+        self.on_forward = None  # optional callback (batch_size, seconds) per draft forward, for the cost model
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -43,7 +46,12 @@ class DraftModelDrafter:
             items.append(ForwardItem(seq.seq_id, seq.all_token_ids[have:], have, 1))
         step = 0
         while items:
+            start = time.perf_counter()
             logits = self.runner.forward(items)  # (len(items), V_draft)
+            if self.on_forward is not None and step > 0:  # step 0 includes catch-up; time pure draft steps
+                if logits.is_cuda:
+                    torch.cuda.synchronize()
+                self.on_forward(len(items), time.perf_counter() - start)
             for i in active:
                 seqs[i].metrics.draft_forwards += 1
                 self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step

@@ -41,8 +41,9 @@ class LLMEngine:
             self.scheduler = Scheduler([self.block_manager], config.max_num_seqs, config.max_num_batched_tokens)
         else:
             # target and draft pools are allocated in lockstep; the lookahead is the request's k_eff
-            self.scheduler = Scheduler([self.block_manager, self.speculative.block_manager], config.max_num_seqs,
-                                       config.max_num_batched_tokens, lookahead=self.speculative.lookahead)
+            pools = [self.block_manager] + ([self.speculative.block_manager] if self.speculative.block_manager else [])
+            self.scheduler = Scheduler(pools, config.max_num_seqs, config.max_num_batched_tokens,
+                                       lookahead=self.speculative.lookahead)
             self.scheduler.on_free.append(self.speculative.free)
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)

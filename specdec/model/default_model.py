@@ -107,5 +107,7 @@ def default_model_path(cache_dir: str | os.PathLike | None = None) -> str:
 
     `cache_dir` replaces `cache_root() / "models"` as the parent of the model directory.
     """
-    parent = Path(cache_dir) if cache_dir is not None else cache_root() / "models"
-    return str(ensure_converted(default_gguf_path(), parent / DEFAULT_MODEL_NAME, DEFAULT_MODEL_SHA256))
+    out = (Path(cache_dir) if cache_dir is not None else cache_root() / "models") / DEFAULT_MODEL_NAME
+    if not _is_converted(out, DEFAULT_MODEL_SHA256, "float32"):  # a finished conversion needs no package
+        ensure_converted(default_gguf_path(), out, DEFAULT_MODEL_SHA256)
+    return str(out)

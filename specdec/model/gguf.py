@@ -18,7 +18,7 @@ import json
 import os
 import re
 import shutil
-import tempfile
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +42,7 @@ CONVERTER_VERSION = 1  # bump when the output of `convert_gguf` changes, so cach
 
 _GGUF_MAGIC = b"GGUF"
 _PROGRESS_MIN_BYTES = 256 * 1024**2  # show a dequantisation progress bar for files larger than this
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # values of `tokenizer.ggml.token_type`
+_CONTROL, _USER_DEFINED = 3, 4  # `tokenizer.ggml.token_type` values (gguf.TokenType) of added tokens
 # Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json).
 _FAMILY_EOS_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
 # Qwen2's split regex (transformers `models/qwen2/tokenization_qwen2.py::PRETOKENIZE_REGEX`).
@@ -106,9 +106,6 @@ class _Metadata:
 
     def __init__(self, reader: GGUFReader, path: str | os.PathLike):
         self._fields, self._path = reader.fields, path
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._fields
 
     def get(self, key: str, default: Any = None) -> Any:
         from gguf import GGUFValueType
@@ -243,9 +240,12 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def _dequantize(tensor: ReaderTensor) -> torch.Tensor:
     """One GGUF tensor as float32 in torch layout: GGUF shapes are `[in, out]`, torch's `[out, in]`."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # copy: off the memmap
+    array = dequantize(tensor.data, tensor.tensor_type)  # float32; a fresh array except for F32 ...
+    if tensor.tensor_type == GGMLQuantizationType.F32:
+        array = array.copy()  # ... which is a read-only view of the memory-mapped file
     return torch.from_numpy(array.reshape(tuple(int(n) for n in reversed(tensor.shape))))
 
 
@@ -275,6 +275,7 @@ def iter_hf_tensors(
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The upstream tokenizer.json's pre-tokenizer for a `tokenizer.ggml.pre` name (llama.cpp's naming)."""
     if pre == "qwen2":
         split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -293,35 +294,41 @@ def _special_token(tokens: list[str], md: _Metadata, key: str) -> str | None:
     return None if token_id is None else tokens[token_id]
 
 
-def build_tokenizer(md: _Metadata, arch: str) -> tuple[Tokenizer, dict[str, Any], dict[str, Any]]:
-    """`(tokenizer, tokenizer_config, generation_config)` from the `tokenizer.*` metadata."""
-    if (kind := md.require("tokenizer.ggml.model")) != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
-    pre = md.get("tokenizer.ggml.pre", "default")
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, types: list[int]) -> Tokenizer:
+    """The BPE model, pre-tokenizer, decoder and added tokens; ids are positions in the GGUF token list."""
     pre_tokenizer = _pre_tokenizer(pre)  # fail on an unknown pre-tokenizer before building anything
-    tokens: list[str] = md.require("tokenizer.ggml.tokens")
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
-    merges = [tuple(merge.split(" ", 1)) for merge in md.require("tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     if pre == "qwen2":
         tokenizer.normalizer = normalizers.NFC()  # as upstream Qwen2's tokenizer.json (a GGUF cannot say so)
     tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     # NOTE: control tokens (type 3) are special; user-defined ones (4) are added tokens that are not special,
-    # which is how llama.cpp's converter labelled them (HF `added_tokens` with `special: false`).
-    types = md.get("tokenizer.ggml.token_type") or []
-    control = [AddedToken(tokens[i], special=True, normalized=False) for i in _indices(types, _TOKEN_CONTROL)]
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i in _indices(types, _TOKEN_USER_DEFINED)]
+    # which is how llama.cpp's converter labelled them (HF `added_tokens` with `special: false`). Both are
+    # matched whole in the text and keep their GGUF ids.
+    control = [AddedToken(tokens[i], special=True, normalized=False) for i in _indices(types, _CONTROL)]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i in _indices(types, _USER_DEFINED)]
     tokenizer.add_special_tokens(control)
     tokenizer.add_tokens(user)
+    return tokenizer
+
+
+def _build_tokenizer(md: _Metadata, arch: str) -> tuple[Tokenizer, dict[str, Any], dict[str, Any]]:
+    """`(tokenizer, tokenizer_config, generation_config)` from the `tokenizer.*` metadata."""
+    if (kind := md.require("tokenizer.ggml.model")) != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
+    tokens: list[str] = md.require("tokenizer.ggml.tokens")
+    pre, types = md.get("tokenizer.ggml.pre", "default"), md.get("tokenizer.ggml.token_type") or []
+    tokenizer = _byte_level_bpe(tokens, md.require("tokenizer.ggml.merges"), pre, types)
     bos, eos = _special_token(tokens, md, "bos"), _special_token(tokens, md, "eos")
     add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
     if add_bos or add_eos:  # neither supported family sets these; honour them rather than drop them
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-        specials = [(t, vocab[t]) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t is not None]
+        specials = [(t, tokenizer.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t]
         tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -336,13 +343,13 @@ def build_tokenizer(md: _Metadata, arch: str) -> tuple[Tokenizer, dict[str, Any]
     }
     if (template := md.get("tokenizer.chat_template")) is not None:
         tokenizer_config["chat_template"] = template
-    return tokenizer, tokenizer_config, _generation_config(vocab, md, arch)
+    return tokenizer, tokenizer_config, _generation_config(tokenizer, md, arch)
 
 
-def _generation_config(vocab: dict[str, int], md: _Metadata, arch: str) -> dict[str, Any]:
+def _generation_config(tokenizer: Tokenizer, md: _Metadata, arch: str) -> dict[str, Any]:
     """bos / pad ids and every eos id the family stops on (an int when there is one, as HF writes it)."""
     eos_ids = [md.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-    eos_ids += [vocab[t] for t in _FAMILY_EOS_TOKENS.get(arch, ()) if t in vocab]
+    eos_ids += [tokenizer.token_to_id(t) for t in _FAMILY_EOS_TOKENS.get(arch, ())]  # None when absent
     eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
     config = {"bos_token_id": md.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos_ids}
     if (pad := md.get("tokenizer.ggml.padding_token_id")) is not None:
@@ -356,27 +363,30 @@ def _generation_config(vocab: dict[str, int], md: _Metadata, arch: str) -> dict[
 # Public API
 
 
-def _read(path: str | os.PathLike, dtype: str) -> tuple[GGUFReader, dict, Tokenizer, dict, dict]:
+def _read_header(path: str | os.PathLike, dtype: str) -> tuple[GGUFReader, GGUFModel]:
+    """Open and validate `path`; everything but the weights (`state_dict` is left empty)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: {list(DTYPES)}")
     reader = open_gguf(path)
     md = _Metadata(reader, path)
+    if md.get("split.count", 1) > 1:
+        raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
     arch = _architecture(md)
-    tokenizer, tokenizer_config, generation_config = build_tokenizer(md, arch)
+    tokenizer, tokenizer_config, generation_config = _build_tokenizer(md, arch)
     tied = all(t.name != "output.weight" for t in reader.tensors)
     config = _build_config(md, arch, len(md.require("tokenizer.ggml.tokens")), tied, dtype)
     # NOTE: every eos in config.json too (as Llama-3.1's has), so a loader that reads only config.json still stops.
     config["bos_token_id"] = generation_config["bos_token_id"]
     config["eos_token_id"] = generation_config["eos_token_id"]
     _check_tensors(reader, config)
-    return reader, config, tokenizer, tokenizer_config, generation_config
+    return reader, GGUFModel(config, {}, tokenizer.to_str(), tokenizer_config, generation_config)
 
 
 def load_gguf(path: str | os.PathLike, dtype: str = "float32", progress: bool | None = None) -> GGUFModel:
     """Read a GGUF checkpoint into HF form in memory (`dtype`: "float32", "bfloat16" or "float16")."""
-    reader, config, tokenizer, tokenizer_config, generation_config = _read(path, dtype)
-    state_dict = dict(iter_hf_tensors(reader, config, dtype, progress))
-    return GGUFModel(config, state_dict, tokenizer.to_str(), tokenizer_config, generation_config)
+    reader, model = _read_header(path, dtype)
+    model.state_dict = dict(iter_hf_tensors(reader, model.config, dtype, progress))
+    return model
 
 
 def convert_gguf(
@@ -400,13 +410,13 @@ def convert_gguf(
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
-    reader, config, tokenizer, tokenizer_config, generation_config = _read(path, dtype)
+    reader, model = _read_header(path, dtype)
     with _atomic_directory(out_dir) as tmp:
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "generation_config.json", generation_config)
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config)
-        tokenizer.save(str(tmp / "tokenizer.json"))
-        _write_safetensors(iter_hf_tensors(reader, config, dtype, progress), tmp, max_shard_bytes)
+        _write_json(tmp / "config.json", model.config)
+        _write_json(tmp / "generation_config.json", model.generation_config)
+        _write_json(tmp / "tokenizer_config.json", model.tokenizer_config)
+        (tmp / "tokenizer.json").write_text(model.tokenizer_json, encoding="utf-8")
+        _write_safetensors(iter_hf_tensors(reader, model.config, dtype, progress), tmp, max_shard_bytes)
         record = {"source": Path(path).name, "source_sha256": source_sha256, "dtype": dtype}
         _write_json(tmp / CONVERSION_RECORD, {**record, "converter_version": CONVERTER_VERSION})
     return out_dir
@@ -425,7 +435,7 @@ def read_conversion_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Path, max_shard_bytes: int) -> None:
@@ -449,25 +459,41 @@ def _write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out_dir: Pat
     if current:
         flush()
     if len(shards) == 1:
-        (out_dir / "shard-00000.tmp").rename(out_dir / "model.safetensors")
-        return
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        files = ["model.safetensors"]
+    else:
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for i, file in enumerate(files):
         (out_dir / f"shard-{i:05d}.tmp").rename(out_dir / file)
-        weight_map.update(dict.fromkeys(names, file))
+        (out_dir / file).chmod(_default_file_mode())  # safetensors creates 0600 files; match the JSON files
+    if len(shards) == 1:
+        return
+    weight_map = {name: file for names, file in zip(shards, files) for name in names}
     _write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _default_file_mode() -> int:
+    """What `open()` creates under the process umask (which has no getter: set it and put it back)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _unique_sibling(path: Path, tag: str) -> Path:
+    """Create a hidden empty directory next to `path` (permissions from the umask, unlike `mkdtemp`'s 0700)."""
+    sibling = path.with_name(f".{path.name}.{tag}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    sibling.mkdir()
+    return sibling
 
 
 @contextlib.contextmanager
 def _atomic_directory(out_dir: Path) -> Iterator[Path]:
     """Yield a temp directory next to `out_dir`; on success it replaces `out_dir`, on failure it is removed."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    tmp = _unique_sibling(out_dir, "partial")
     try:
         yield tmp
         if out_dir.exists():  # overwrite: move the old one aside first (a rename cannot replace a non-empty dir)
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            old = _unique_sibling(out_dir, "old")
             out_dir.rename(old / "old")
             tmp.rename(out_dir)
             shutil.rmtree(old, ignore_errors=True)
