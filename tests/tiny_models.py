@@ -54,11 +54,13 @@ def make_tiny_model(
     with_tokenizer: bool = True,
     perturb_from: str | None = None,
     perturb_scale: float = 0.0,
+    lm_head_std: float = 0.5,
 ):
     """Write a random tiny checkpoint to ``path`` and return the transformers model (fp32, eval).
 
     ``dialect``: "hub" writes rope_theta/rope_scaling/torch_dtype; "v5" writes rope_parameters/dtype.
     ``perturb_from``: copy weights from that folder's model and add Gaussian noise (a draft that mostly agrees).
+    ``lm_head_std``: std of the output projection (smaller = flatter next-token distributions).
     """
     import transformers
 
@@ -76,8 +78,8 @@ def make_tiny_model(
     model = cls(cfg).float().eval()
     with torch.no_grad():
         # random init gives near-uniform logits; widen them so greedy decisions are clear-cut
-        model.lm_head.weight.normal_(0, 0.5) if not tie_word_embeddings else model.model.embed_tokens.weight.normal_(
-            0, 0.5)
+        model.lm_head.weight.normal_(0, lm_head_std) if not tie_word_embeddings else (
+            model.model.embed_tokens.weight.normal_(0, lm_head_std))
         if perturb_from is not None:
             base = cls.from_pretrained(perturb_from, dtype=torch.float32)
             model.load_state_dict(base.state_dict())

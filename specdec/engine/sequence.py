@@ -79,7 +79,7 @@ class RequestMetrics:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: `seq in running` must be O(1) per comparison
 class Sequence:
     seq_id: int
     request_id: str
