@@ -4,11 +4,16 @@ The randomness contract (docs/architecture.md): every random draw is a pure func
 ``(request seed, absolute token position, stream, index)`` through Philox4x32-10, so a seeded request gives
 the same tokens whatever it is batched with, and a kernel and its reference draw bit-identical uniforms.
 
-Counter layout: key = seed (uint64 split into two uint32 words), counter = (index, position_lo, position_hi,
-stream). The first output word becomes a uniform in the open interval (0, 1):
+Counter layout: key = seed (uint64 split into two uint32 words), counter = (index // 4, position_lo,
+position_hi, stream); index i takes output word ``i % 4`` of that counter's block, so one Philox evaluation
+serves four consecutive indices. A word becomes a uniform in the open interval (0, 1):
 ``u = ((x >> 9) * 2 + 1) * 2**-24`` - exact in fp32, never 0 and never 1, so ``-log(u)`` is finite and > 0.
+
+NOTE: the CPU reference computes Philox in numpy uint64 arithmetic (a 32x32-bit product fits in 64 bits, so
+``umulhi`` is a shift); it is the hot part of CPU sampling (one draw per vocabulary entry per sampled token).
 """
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -27,18 +32,28 @@ _KEY_B = 0xBB67AE85
 _N_ROUNDS = 10
 
 
-def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hi32, lo32) of the 64-bit product a * b for a, b < 2**32, in int64 without overflow."""
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    p_hi = a * b_hi  # < 2**48
-    p_lo = a * b_lo  # < 2**48
-    hi = (p_hi + (p_lo >> 16)) >> 16
-    lo = (((p_hi & 0xFFFF) << 16) + p_lo) & _MASK32
-    return hi, lo
+_U32 = np.uint64(_MASK32)
+_SHIFT = np.uint64(32)
+
+
+def _philox4_numpy(seed: np.ndarray, position: np.ndarray, stream: int, counter: np.ndarray):
+    """The four Philox4x32-10 output words for uint64 arrays of seed bits, positions and counters."""
+    k0, k1 = seed & _U32, seed >> _SHIFT
+    c0, c1, c2 = counter & _U32, position & _U32, position >> _SHIFT
+    c3 = np.full_like(c0, stream & _MASK32)
+    round_a, round_b = np.uint64(_ROUND_A), np.uint64(_ROUND_B)
+    key_a, key_b = np.uint64(_KEY_A), np.uint64(_KEY_B)
+    for _ in range(_N_ROUNDS):
+        prod_b = c2 * round_b  # < 2**64: exact
+        prod_a = c0 * round_a
+        c0, c1, c2, c3 = (prod_b >> _SHIFT) ^ c1 ^ k0, prod_b & _U32, (prod_a >> _SHIFT) ^ c3 ^ k1, prod_a & _U32
+        k0 = (k0 + key_a) & _U32
+        k1 = (k1 + key_b) & _U32
+    return c0, c1, c2, c3
 
 
 def philox_uint32(seed: torch.Tensor, position: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
-    """Philox4x32-10 first output word, computed in int64 torch arithmetic.
+    """Philox4x32-10 word for each (seed, position, stream, index), broadcast together.
 
     Args:
         seed: int64, broadcastable; bits are read as an unsigned 64-bit key.
@@ -46,22 +61,16 @@ def philox_uint32(seed: torch.Tensor, position: torch.Tensor, stream: int, index
         stream: one of the ``STREAM_*`` constants.
         index: int64 index within the draw (vocabulary id for noise over a row, 0 for a single uniform).
     Returns:
-        int64 tensor of the broadcast shape holding values in [0, 2**32).
+        int64 tensor of the broadcast shape (on ``index``'s device) holding values in [0, 2**32).
     """
-    seed, position, index = torch.broadcast_tensors(seed.long(), position.long(), index.long())
-    k0 = seed & _MASK32
-    k1 = (seed >> 32) & _MASK32
-    c0 = index & _MASK32
-    c1 = position & _MASK32
-    c2 = (position >> 32) & _MASK32
-    c3 = torch.full_like(c0, stream & _MASK32)
-    for _ in range(_N_ROUNDS):
-        hi_b, lo_b = _mul_hi_lo(c2, _ROUND_B)
-        hi_a, lo_a = _mul_hi_lo(c0, _ROUND_A)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0 = (k0 + _KEY_A) & _MASK32
-        k1 = (k1 + _KEY_B) & _MASK32
-    return c0
+    device = index.device
+    seed, position, index = torch.broadcast_tensors(seed.long().cpu(), position.long().cpu(), index.long().cpu())
+    as_u64 = lambda t: t.contiguous().numpy().view(np.uint64)  # noqa: E731 - int64 bits reinterpreted
+    idx = as_u64(index)
+    words = _philox4_numpy(as_u64(seed), as_u64(position), stream, idx >> np.uint64(2))
+    lane = (idx & np.uint64(3)).astype(np.int64)
+    out = np.choose(lane, words)
+    return torch.from_numpy(out.astype(np.int64)).to(device)
 
 
 def uint32_to_uniform(x: torch.Tensor) -> torch.Tensor:
@@ -75,9 +84,19 @@ def philox_uniform(seed: torch.Tensor, position: torch.Tensor, stream: int, inde
 
 
 def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
-    """Uniforms for ``n`` indices per row: ``[R, n]`` fp32 from ``seeds [R]`` and ``positions [R]`` (int64)."""
-    index = torch.arange(n, dtype=torch.int64, device=seeds.device)
-    return philox_uniform(seeds.long()[:, None], positions.long()[:, None], stream, index[None, :])
+    """Uniforms for indices ``0..n-1`` per row: ``[R, n]`` fp32 from ``seeds [R]`` and ``positions [R]`` (int64).
+
+    Same numbers as :func:`philox_uniform` with ``index = arange(n)``, computed one Philox block per 4 indices.
+    """
+    device = seeds.device
+    as_u64 = lambda t: t.long().cpu().contiguous().numpy().view(np.uint64)[:, None]  # noqa: E731
+    counters = np.arange((n + 3) // 4, dtype=np.uint64)[None, :]  # (1, ceil(n/4))
+    seed, position = as_u64(seeds), as_u64(positions)  # (R, 1)
+    blocks = np.broadcast_to(counters, (seed.shape[0], counters.shape[1]))
+    words = _philox4_numpy(seed, position, stream, blocks)  # 4 x (R, ceil(n/4))
+    bits = np.stack(words, axis=-1).reshape(seed.shape[0], 4 * counters.shape[1])[:, :n]  # (R, n): index i = word i % 4 of block i // 4
+    u = ((bits >> np.uint64(9)) * np.uint64(2) + np.uint64(1)).astype(np.float32) * np.float32(2.0**-24)
+    return torch.from_numpy(u).to(device)
 
 
 def row_exponentials(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
@@ -92,7 +111,8 @@ def philox_uniform_tl(seed, position, stream, index):
     k0 = (seed_u & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed_u >> 32) & 0xFFFFFFFF).to(tl.uint32)
     pos_u = position.to(tl.int64).to(tl.uint64, bitcast=True)
-    c0 = index.to(tl.uint32)
+    lane = index % 4
+    c0 = (index // 4).to(tl.uint32)
     c1 = (pos_u & 0xFFFFFFFF).to(tl.uint32) + tl.zeros_like(c0)
     c2 = ((pos_u >> 32) & 0xFFFFFFFF).to(tl.uint32) + tl.zeros_like(c0)
     c3 = stream + tl.zeros_like(c0)
@@ -105,4 +125,5 @@ def philox_uniform_tl(seed, position, stream, index):
         c3 = _c0 * 0xD2511F53
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    return ((c0 >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+    word = tl.where(lane == 0, c0, tl.where(lane == 1, c1, tl.where(lane == 2, c2, c3)))
+    return ((word >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08

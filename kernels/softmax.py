@@ -1,6 +1,122 @@
-"""Row softmax with a per-row temperature, fp32 out, and a per-row flag for non-finite input."""
+"""Row softmax with a per-row temperature, fp32 out, and a per-row flag for non-finite input.
+
+Kernel design: one program per row. The row is read in ``BLOCK``-wide chunks twice - pass 1 keeps an online
+(running) max and sum of exponentials and counts non-finite values, pass 2 writes ``exp(x / t - max) / sum``.
+All math is fp32 whatever the input dtype; row offsets are int64.
+"""
+
+from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
+
+# NOTE: one program owns a whole row, so very long rows would leave the GPU idle for a long time; the largest
+# vocabularies we target (Llama-3 128256, Qwen2.5 151936, Gemma 256000) are far below this bound.
+MAX_VOCAB = 1 << 20
+_MAX_BLOCK = 4096  # fp32 elements per chunk: 16 per thread at 8 warps
+
+
+class RowConfig(NamedTuple):
+    """Launch settings of a row-wise kernel."""
+
+    block: int  # elements per chunk of the row loop (power of two)
+    num_warps: int
+
+
+def softmax_config(vocab: int) -> RowConfig:
+    """Fixed block size / warp count for rows of ``vocab`` elements; raises ``ValueError`` on rows too long."""
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise ValueError(f"softmax_with_temperature supports 1 <= vocab <= {MAX_VOCAB}, got {vocab}")
+    block = min(triton.next_power_of_2(vocab), _MAX_BLOCK)
+    return RowConfig(block=block, num_warps=4 if block < 2048 else 8)
+
+
+@triton.jit
+def _softmax_temperature_kernel(
+    logits_ptr,  # [R, V] fp32/fp16/bf16, unit column stride
+    temperature_ptr,  # fp32 [R]
+    probs_ptr,  # fp32 [R, V], unit column stride
+    bad_row_ptr,  # bool [R]
+    vocab,
+    logits_row_stride,
+    probs_row_stride,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * logits_row_stride
+    probs_row = probs_ptr + row * probs_row_stride
+    cols = tl.arange(0, BLOCK)
+
+    t = tl.load(temperature_ptr + row)
+    # Greedy rows (t == 0) are computed at t = 1, like the reference (`t > 0` is also False for NaN / negatives).
+    t = tl.where(t > 0, t, 1.0)
+
+    # Pass 1: running max m and sum s of exp(x / t - m); count the finite values.
+    m = float("-inf")
+    s = 0.0
+    num_finite = 0
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        mask = offs < vocab
+        # NOTE: upcast right after the load (bf16 arithmetic is wrong in the interpreter); masked lanes are -inf
+        # so they add exp(-inf) = 0. Every chunk has at least one real lane, so m_new is finite in a good row.
+        x = tl.load(logits_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        num_finite += tl.sum((tl.abs(x) < float("inf")).to(tl.int32), axis=0)  # False for NaN, +-inf, masked
+        y = x / t
+        m_new = tl.maximum(m, tl.max(y, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), axis=0)
+        m = m_new
+
+    # Pass 2: normalised probabilities. Bad rows (a value is not finite) hold garbage here; the caller raises.
+    inv_s = 1.0 / s
+    for start in range(0, vocab, BLOCK):
+        offs = start + cols
+        mask = offs < vocab
+        x = tl.load(logits_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        tl.store(probs_row + offs, tl.exp(x / t - m) * inv_s, mask=mask)
+    tl.store(bad_row_ptr + row, num_finite < vocab)
+
+
+def softmax_with_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton temperature softmax; same contract as :func:`softmax_with_temperature_reference`.
+
+    Args:
+        logits: ``[R, V]`` fp32/fp16/bf16 with unit column stride (any row stride), ``V <= MAX_VOCAB``.
+        temperature: fp32 ``[R]`` on the same device; ``<= 0`` (greedy) is computed as 1.
+    Returns:
+        probs: fp32 ``[R, V]`` contiguous; rows flagged in ``bad_row`` are unspecified (NaN in practice).
+        bad_row: bool ``[R]``, True where the row holds NaN or +-inf.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [R, V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"logits must be fp32/fp16/bf16, got {logits.dtype}")
+    rows, vocab = logits.shape
+    if temperature.shape != (rows,) or temperature.dtype != torch.float32:
+        raise ValueError(f"temperature must be fp32 [{rows}], got {temperature.dtype} {tuple(temperature.shape)}")
+    if temperature.device != logits.device:
+        raise ValueError(f"temperature is on {temperature.device}, logits on {logits.device}")
+    if vocab > 1 and logits.stride(1) != 1:
+        raise ValueError("logits must have unit column stride (call .contiguous())")
+    block, num_warps = softmax_config(vocab)
+
+    probs = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
+    bad_row = torch.empty((rows,), dtype=torch.bool, device=logits.device)
+    if rows == 0:
+        return probs, bad_row
+    _softmax_temperature_kernel[(rows,)](
+        logits,
+        temperature.contiguous(),
+        probs,
+        bad_row,
+        vocab,
+        logits.stride(0),
+        probs.stride(0),
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+    return probs, bad_row
 
 
 def softmax_with_temperature_reference(

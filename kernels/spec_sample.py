@@ -116,6 +116,7 @@ def _spec_sample_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= max_num_draft_tokens + 1 (padding store)
 ):
+    # Unmasked scalar loads below index rows that exist by the layout (cu is checked on the host off the GPU).
     req = tl.program_id(0).to(tl.int64)
     first_draft = tl.load(cu_ptr + req).to(tl.int64)
     # NOTE: clamped so a caller's wrong max_num_draft_tokens can never write outside the output row.
@@ -161,8 +162,10 @@ def _spec_sample_kernel(
             p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, seed, position + n, vocab_size, BLOCK_V
         )
         if max_residual <= 0.0:  # residual all zero (p <= q up to rounding): sample from p itself
+            no_q = rejected & False
+            no_onehot = rejected_draft * 0 - 1
             sampled, max_residual = _argmax_over_noise(
-                p_row_ptr, q_row_ptr, rejected & False, rejected_draft * 0 - 1, seed, position + n, vocab_size, BLOCK_V
+                p_row_ptr, q_row_ptr, no_q, no_onehot, seed, position + n, vocab_size, BLOCK_V
             )
         token = sampled.to(tl.int64)
     tl.store(out_row_ptr + n, token)
@@ -290,9 +293,12 @@ def spec_sample_reference(
     q = torch.where((rejected & onehot)[:, None], onehot_q, q)
     residual = residual_distribution(p, q)  # (B, V)
     dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
-    noise = row_exponentials(seeds, positions + n, STREAM_RESIDUAL, vocab)  # (B, V) Exp(1)
-    sampled = (dist / noise).argmax(dim=-1)  # (B,)
-    token = torch.where(is_greedy, target_argmax[final_row], sampled)  # (B,)
+    token = target_argmax[final_row]  # (B,) greedy rows keep the target's argmax
+    # NOTE: noise only for sampled rows (Philox in torch is the CPU path's main cost); boolean indexing syncs on
+    # CUDA, which is fine for a reference.
+    sampled = (~is_greedy).nonzero().squeeze(1)  # (S,)
+    noise = row_exponentials(seeds[sampled], positions[sampled] + n[sampled], STREAM_RESIDUAL, vocab)  # (S, V)
+    token[sampled] = (dist[sampled] / noise).argmax(dim=-1)
 
     out = torch.where(j[None, :] < n[:, None], drafts, -1)  # (B, K) accepted prefix
     out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # (B, K + 1)

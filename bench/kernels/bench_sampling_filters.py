@@ -1,0 +1,167 @@
+"""Microbenchmark of the sampling filters: temperature softmax and top-k/top-p/min-p, Triton vs torch reference.
+
+    python -m bench.kernels.bench_sampling_filters [--batch 1 8 64] [--vocab 128256 151936] [--peak-gbps 3350]
+
+On CUDA both implementations are timed with ``triton.testing.do_bench`` and reported as time, GB/s and % of
+``--peak-gbps``. Bandwidth counts the compulsory traffic only (each row read once, written once): the softmax
+reads it twice and the filter reads it ~60 times (two ~31-step bisections, mostly from L2), so for the filter
+the figure says how far it is from one streaming pass, not what DRAM delivered. On a machine without CUDA only
+the references (the CPU path of ``specdec.ops``) are timed, over a reduced sweep, with ``torch.get_num_threads()``
+recorded. Results go to ``bench/results/sampling_filters_<device>.{csv,json}`` (and a plot when matplotlib is
+installed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from specdec.kernels import softmax, top_k_top_p
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class Result:
+    op: str  # "softmax" | "top_k_top_p"
+    impl: str  # "triton" | "torch"
+    device: str
+    batch: int
+    vocab: int
+    ms: float  # median time per call
+    gbps: float  # compulsory bytes / time
+    pct_peak: float | None  # gbps / --peak-gbps
+    threads: int  # torch.get_num_threads() (CPU timings)
+
+
+def _time_cuda(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _time_cpu(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (allocator, first-call dispatch)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _cases(batch: int, vocab: int, device: str, logits_dtype: torch.dtype, seed: int = 0):
+    """(op, compulsory bytes, {impl: fn}) for one shape, with typical mixed per-row settings."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(batch, vocab, generator=g) * 3).to(device=device, dtype=logits_dtype)  # (B, V)
+    temperature = torch.linspace(0.5, 1.2, batch).to(device)  # (B,)
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)  # (B, V) fp32
+    top_k = torch.tensor([50, 0, 20, 0], dtype=torch.int64).repeat(batch // 4 + 1)[:batch].to(device)
+    top_p = torch.tensor([1.0, 0.9, 0.95, 0.8]).repeat(batch // 4 + 1)[:batch].to(device)
+    min_p = torch.tensor([0.0, 0.0, 0.05, 0.0]).repeat(batch // 4 + 1)[:batch].to(device)
+    softmax_bytes = batch * vocab * (logits.element_size() + 4)  # read logits, write fp32 probs
+    filter_bytes = batch * vocab * 8  # read fp32 probs, write fp32 probs
+    yield (
+        "softmax",
+        softmax_bytes,
+        {
+            "triton": lambda: softmax.softmax_with_temperature(logits, temperature),
+            "torch": lambda: softmax.softmax_with_temperature_reference(logits, temperature),
+        },
+    )
+    yield (
+        "top_k_top_p",
+        filter_bytes,
+        {
+            "triton": lambda: top_k_top_p.top_k_top_p_min_p(probs, top_k, top_p, min_p),
+            "torch": lambda: top_k_top_p.top_k_top_p_min_p_reference(probs, top_k, top_p, min_p),
+        },
+    )
+
+
+def run(batches: list[int], vocabs: list[int], logits_dtype: torch.dtype, peak_gbps: float | None) -> list[Result]:
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    results = []
+    for vocab in vocabs:
+        for batch in batches:
+            for op, num_bytes, impls in _cases(batch, vocab, device, logits_dtype):
+                for impl, fn in impls.items():
+                    if impl == "triton" and not cuda:
+                        continue  # compiled Triton needs a GPU; the interpreter is no benchmark
+                    ms = _time_cuda(fn) if cuda else _time_cpu(fn, repeats=5 if batch * vocab > 2**22 else 10)
+                    gbps = num_bytes / (ms * 1e-3) / 1e9
+                    pct = 100 * gbps / peak_gbps if peak_gbps else None
+                    results.append(Result(op, impl, device, batch, vocab, ms, gbps, pct, torch.get_num_threads()))
+                    pct_text = f" {pct:5.1f}% of peak" if pct is not None else ""
+                    print(f"{op:12s} {impl:6s} B={batch:3d} V={vocab:6d} {ms:9.3f} ms {gbps:9.2f} GB/s{pct_text}")
+    return results
+
+
+def _device_tag() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name().replace(" ", "_")
+    return f"cpu_{platform.machine()}"
+
+
+def save(results: list[Result], meta: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"sampling_filters_{_device_tag()}"
+    rows = [dataclasses.asdict(r) for r in results]
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return stem
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, op in zip(axes, ("softmax", "top_k_top_p")):
+        for impl in ("triton", "torch"):
+            for vocab in sorted({r.vocab for r in results}):
+                sel = [r for r in results if (r.op, r.impl, r.vocab) == (op, impl, vocab)]
+                if sel:
+                    ax.plot([r.batch for r in sel], [r.ms for r in sel], marker="o", label=f"{impl} V={vocab}")
+        ax.set(title=op, xlabel="batch (rows)", ylabel="ms", xscale="log", yscale="log")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    return stem
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64] if cuda else [1, 4, 16])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[128256, 151936])
+    parser.add_argument("--logits-dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--peak-gbps", type=float, default=None, help="peak DRAM bandwidth, e.g. 3350 for H100 SXM")
+    args = parser.parse_args()
+    results = run(args.batch, args.vocab, DTYPES[args.logits_dtype], args.peak_gbps)
+    meta = {
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "logits_dtype": args.logits_dtype,
+        "peak_gbps": args.peak_gbps,
+        "timer": "triton.testing.do_bench (median)" if cuda else "time.perf_counter (median)",
+    }
+    print(f"wrote {save(results, meta)}.*")
+
+
+if __name__ == "__main__":
+    main()

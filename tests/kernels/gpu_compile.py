@@ -1,0 +1,310 @@
+"""Compile Triton kernels for NVIDIA GPUs on a machine without one, and report their resource usage.
+
+The triton wheel ships ``ptxas`` and ``cuobjdump``, so ``triton.compile`` can build a cubin for any sm_XX
+here. That catches what the interpreter lets through (a ``tl.dot`` with K < 16, Python ``break`` or lists)
+and tells registers, spills and shared memory per configuration. Compiles run in subprocesses without
+``TRITON_INTERPRET`` (pytest's conftest sets it process-wide, and triton reads it at import).
+
+Usage from a test - either describe the launch by its argument values (types and specialisations derived the
+way Triton's launcher derives them; ``meta`` tensors are fine)::
+
+    from tests.kernels.gpu_compile import compile_reports, job_from_launch
+
+    args = {"x_ptr": torch.empty(4096, 4096, device="meta", dtype=torch.float16), "n_cols": 4096, "eps": 1e-6}
+    jobs = [job_from_launch("specdec.kernels.my_op", "_my_kernel", args, {"BLOCK": 1024}, 4, 2, arch)
+            for arch in (80, 90)]
+
+or write the signature yourself (``make_signature`` fills in ``*_ptr`` pointers and i32 scalars)::
+
+    sig = make_signature(module._my_kernel, constexprs, pointer_type="*fp16", types={"eps": "fp32"})
+    jobs = [CompileJob("specdec.kernels.my_op", "_my_kernel", sig, constexprs, 4, 2, arch, pointer_args(sig))]
+
+then::
+
+    for report in compile_reports(jobs, workers=2):
+        assert report["error"] is None, report["error"]
+        assert report["spill_stores"] == 0 and report["spill_loads"] == 0
+        assert report["shared"] <= 99 * 1024
+
+A report is a dict: the job's fields, plus ``registers`` (per thread, from ``cuobjdump --dump-resource-usage``
+on the cubin), ``stack`` and ``local`` (bytes per thread; ``stack == 0`` proves there is no spill),
+``spill_stores`` / ``spill_loads`` (bytes, from ``ptxas -v`` on the PTX, run only when the stack is not 0:
+a small stack frame can hold non-spilled data), ``shared`` (bytes per program, from the compiled metadata),
+``seconds`` and ``error`` (None, or the compile traceback - a failing job never hides the others).
+
+Run as a script, this file is the subprocess worker: a JSON list of jobs on stdin, a JSON list of reports on
+stdout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    module: str  # importable module that defines the kernel, e.g. "specdec.kernels.paged_attention"
+    kernel: str  # name of the @triton.jit function in that module
+    signature: dict[str, str]  # every non-constexpr argument -> Triton type: "*fp16", "*i32", "i32", "fp32"...
+    constexprs: dict[str, Any]  # every constexpr argument -> value (int / bool / float / None)
+    num_warps: int = 4
+    num_stages: int = 3
+    arch: int = 90  # compute capability: 80 (A100), 86/89 (consumer Ampere/Ada), 90 (H100/H200)
+    # Arguments a real launch would specialise as 16-divisible (pointers are 16-byte aligned from torch's
+    # allocator; ints that are multiples of 16). This changes vectorisation, so it changes register counts.
+    divisible_by_16: tuple[str, ...] = ()
+
+
+def arg_names(kernel) -> list[str]:
+    """Argument names of a @triton.jit function, whether it was built compiled or interpreted."""
+    return list(inspect.signature(getattr(kernel, "fn", kernel)).parameters)
+
+
+def make_signature(
+    kernel,
+    constexprs: dict[str, Any],
+    pointer_type: str,
+    types: dict[str, str] | None = None,
+    scalar_type: str = "i32",
+) -> dict[str, str]:
+    """Signature for :class:`CompileJob`: ``types`` wins, then ``*_ptr`` arguments get ``pointer_type`` and the
+    other non-constexpr arguments ``scalar_type``."""
+    types = types or {}
+    unknown = set(types) - set(arg_names(kernel))
+    if unknown:
+        raise ValueError(f"types names arguments the kernel does not have: {sorted(unknown)}")
+    sig = {}
+    for name in arg_names(kernel):
+        if name in constexprs:
+            continue
+        sig[name] = types.get(name, pointer_type if name.endswith("_ptr") else scalar_type)
+    return sig
+
+
+def job_from_launch(
+    module: str,
+    kernel_name: str,
+    args: dict[str, Any],
+    constexprs: dict[str, Any],
+    num_warps: int,
+    num_stages: int,
+    arch: int,
+    do_not_specialize: Iterable[str] | None = None,
+) -> CompileJob:
+    """The job a real launch ``kernel[grid](**args, **constexprs)`` would compile: argument types and the
+    16-divisibility / ``== 1`` specialisations are derived from the values the way Triton's launcher derives
+    them. ``args`` may hold ``meta`` tensors (only dtype and alignment are read). ``do_not_specialize``
+    defaults to the kernel's own list.
+    """
+    kernel = getattr(importlib.import_module(module), kernel_name)
+    if do_not_specialize is None:
+        do_not_specialize = getattr(kernel, "do_not_specialize", None) or getattr(kernel, "kwargs", {}).get(
+            "do_not_specialize", ()
+        )
+    names = arg_names(kernel)
+    frozen = {names[i] if isinstance(i, int) else i for i in do_not_specialize}
+    missing = set(names) - set(args) - set(constexprs)
+    if missing:
+        raise ValueError(f"no value for kernel arguments {sorted(missing)}")
+    signature, divisible, constexprs = {}, [], dict(constexprs)
+    for name in names:
+        if name in constexprs:
+            continue
+        ty, key = _specialize(args[name], specialize=name not in frozen)
+        if ty == "constexpr":
+            constexprs[name] = key
+        else:
+            signature[name] = ty
+            if key == "D":
+                divisible.append(name)
+    return CompileJob(module, kernel_name, signature, constexprs, num_warps, num_stages, arch, tuple(divisible))
+
+
+_POINTER_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "bool": "u1",
+                  "uint8": "u8", "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64"}  # fmt: skip
+
+
+def _specialize(value: Any, specialize: bool) -> tuple[str, Any]:
+    """(Triton type, specialisation key) of an argument value: "D" = divisible by 16 / 16-byte aligned."""
+    try:  # Triton's own rule (triton >= 3.4)
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+
+        return native_specialize_impl(BaseBackend, value, False, specialize, True)[:2]
+    except ImportError:
+        pass
+    if hasattr(value, "data_ptr"):
+        ty = _POINTER_TYPES[str(value.dtype).removeprefix("torch.")]
+        return "*" + ty, "D" if specialize and value.data_ptr() % 16 == 0 else ""
+    if isinstance(value, bool):
+        return "u1", None
+    if isinstance(value, int):
+        if specialize and value == 1:
+            return "constexpr", 1
+        ty = "i32" if -(2**31) <= value < 2**31 else "i64"
+        return ty, ("D" if value % 16 == 0 else "") if specialize else None
+    if isinstance(value, float):
+        return "fp32", None
+    raise TypeError(f"cannot derive a Triton type for {type(value).__name__}")
+
+
+def pointer_args(signature: dict[str, str]) -> tuple[str, ...]:
+    """The pointer arguments of a signature (torch allocations are 16-byte aligned: pass as divisible_by_16)."""
+    return tuple(name for name, ty in signature.items() if ty.startswith("*"))
+
+
+def compile_reports(
+    jobs: Sequence[CompileJob], workers: int = 1, python: str = sys.executable, timeout: float = 1800
+) -> list[dict]:
+    """Compile every job in ``workers`` parallel subprocesses (``python`` may be another venv's interpreter).
+
+    Returns one report per job, in order. Duplicate jobs are compiled once.
+    """
+    unique = list(dict.fromkeys(job_key(j) for j in jobs))
+    chunks = [unique[i::workers] for i in range(max(1, min(workers, len(unique))))]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = [
+        subprocess.Popen(
+            [python, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        for _ in chunks
+    ]
+    results: dict[str, dict] = {}
+    for proc, chunk in zip(procs, chunks):
+        stdout, stderr = proc.communicate(json.dumps([json.loads(k) for k in chunk]), timeout=timeout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"compile worker failed (rc {proc.returncode}):\n{stderr[-4000:]}")
+        for key, report in zip(chunk, json.loads(stdout)):
+            results[key] = report
+    return [results[job_key(j)] for j in jobs]
+
+
+def compile_report(
+    module_name: str,
+    kernel_name: str,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    num_warps: int,
+    num_stages: int,
+    arch: int,
+    divisible_by_16: Iterable[str] = (),
+) -> dict:
+    """Compile one kernel configuration in a subprocess; see the module docstring for the report."""
+    job = CompileJob(
+        module_name, kernel_name, signature, constexprs, num_warps, num_stages, arch, tuple(divisible_by_16)
+    )
+    return compile_reports([job])[0]
+
+
+def format_table(reports: Sequence[dict], columns: Sequence[str]) -> str:
+    """A fixed-width text table: the given constexpr (or job field) columns, then arch, warps, stages and usage."""
+    header = [*columns, "arch", "warps", "stages", "regs", "stack", "spill_st", "spill_ld", "shared_KiB"]
+    rows = []
+    for r in reports:
+        values = [r["constexprs"].get(c, r.get(c, "")) for c in columns]
+        usage = ["ERROR", "", "", "", ""]
+        if r["error"] is None:
+            usage = [r["registers"], r["stack"], r["spill_stores"], r["spill_loads"], f"{r['shared'] / 1024:.1f}"]
+        rows.append([str(v) for v in [*values, f"sm_{r['arch']}", r["num_warps"], r["num_stages"], *usage]])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def job_key(job: CompileJob) -> str:
+    """A hashable identity of a job (jobs hold dicts, so they are not hashable themselves)."""
+    d = dataclasses.asdict(job)
+    d["divisible_by_16"] = sorted(d["divisible_by_16"])
+    return json.dumps(d, sort_keys=True)
+
+
+# ----------------------------------------------------------------------------------------- worker side
+
+
+def _compile_one(job: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    start = time.perf_counter()
+    report = {**job, "registers": None, "stack": None, "local": None, "spill_stores": None, "spill_loads": None}
+    report.update(shared=None, error=None)
+    try:
+        kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
+        names = arg_names(kernel)
+        signature = {name: ("constexpr" if name in job["constexprs"] else job["signature"][name]) for name in names}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in job["divisible_by_16"]}
+        src = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=job["constexprs"], attrs=attrs)
+        ck = triton.compile(
+            src,
+            target=GPUTarget("cuda", job["arch"], 32),
+            options={"num_warps": job["num_warps"], "num_stages": job["num_stages"]},
+        )
+        report["shared"] = int(ck.metadata.shared)
+        bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        report.update(_resource_usage(ck.asm["cubin"], bin_dir))
+        if report["stack"]:
+            report.update(_spills(ck.asm["ptx"], job["arch"], bin_dir))
+    except Exception:  # noqa: BLE001 - the report carries the traceback; other jobs go on
+        import traceback
+
+        report["error"] = traceback.format_exc()[-4000:]
+    report["seconds"] = round(time.perf_counter() - start, 2)
+    return report
+
+
+def _resource_usage(cubin: bytes, bin_dir: str) -> dict:
+    """Registers and stack/local bytes per thread of the cubin, from ``cuobjdump --dump-resource-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        cmd = [os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", f.name]
+        text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    match = re.search(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)", text)
+    if match is None:
+        raise RuntimeError(f"unexpected cuobjdump output:\n{text}")
+    stack = int(match[2])
+    # STACK:0 proves there is no spill; a non-zero stack frame is looked into by _spills.
+    return {"registers": int(match[1]), "stack": stack, "local": int(match[4]), "spill_stores": 0, "spill_loads": 0}
+
+
+def _spills(ptx: str, arch: int, bin_dir: str) -> dict:
+    """Spill store/load bytes from ``ptxas -v`` on the kernel's PTX (a stack frame can also hold non-spills)."""
+    gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [os.path.join(bin_dir, "ptxas"), "-lineinfo", "-v", f"--gpu-name={gpu}", src, "-o", src + ".o"]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    match = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if match is None:
+        raise RuntimeError(f"unexpected ptxas -v output:\n{log}")
+    return {"spill_stores": int(match[1]), "spill_loads": int(match[2])}
+
+
+def _main() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("the compile worker must run without TRITON_INTERPRET=1")
+    jobs = json.load(sys.stdin)
+    json.dump([_compile_one(job) for job in jobs], sys.stdout)
+
+
+if __name__ == "__main__":
+    _main()
