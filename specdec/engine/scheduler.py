@@ -136,11 +136,12 @@ class Scheduler:
             remaining = seq.num_tokens - seq.num_computed
             chunk = min(remaining, budget)
             # Reserve the whole prompt (+ lookahead) up front so later chunks never need new blocks.
-            if not self._can_reserve(seq, seq.num_tokens + self.lookahead(seq)):
+            lookahead = self.lookahead(seq)
+            if not self._can_reserve(seq, seq.num_tokens + lookahead):
                 break
             self.waiting.popleft()
-            self._reserve(seq, seq.num_tokens + self.lookahead(seq))
-            seq.lookahead = self.lookahead(seq) if chunk == remaining else 0
+            self._reserve(seq, seq.num_tokens + lookahead)
+            seq.lookahead = lookahead if chunk == remaining else 0
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)

@@ -35,6 +35,7 @@ class RequestMetrics:
     num_round_tokens: int = 0  # tokens emitted by verification rounds (accepted + correction/bonus)
     accepted_per_position: list[int] = field(default_factory=list)  # [k_max] accepted draft i
     drafted_per_position: list[int] = field(default_factory=list)  # [k_max] drafted draft i
+    k_per_step: list[int] = field(default_factory=list)  # speculation length granted at each decode step
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -74,6 +75,7 @@ class RequestMetrics:
             "alpha": self.alpha,
             "mean_tokens_per_round": self.mean_tokens_per_round,
             "per_position_acceptance": self.per_position_acceptance,
+            "k_per_step": list(self.k_per_step),
             "time_to_first_token": (self.first_token_time - self.arrival_time) if self.first_token_time else None,
             "wall_time": self.wall_time,
         }

@@ -93,9 +93,11 @@ class SpeculativeDecoder:
         self.batch_size = len(batch.seqs)
         speculating, ks = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if n == 1 and seq.num_computed + 1 == seq.num_tokens and seq.lookahead > 0:
-                speculating.append(seq)
-                ks.append(seq.lookahead)
+            if n == 1 and seq.num_computed + 1 == seq.num_tokens:
+                seq.metrics.k_per_step.append(seq.lookahead)
+                if seq.lookahead > 0:
+                    speculating.append(seq)
+                    ks.append(seq.lookahead)
         proposal = self.drafter.propose(speculating, ks) if speculating else None
         # requests the drafter had nothing for take a plain step
         drafts = {seq.seq_id: d for seq, d in zip(speculating, proposal.token_ids) if d} if proposal else {}

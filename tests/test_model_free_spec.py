@@ -1,0 +1,136 @@
+"""N-gram, prompt-lookup and combined drafting end to end; adaptive speculation length."""
+
+import pytest
+import torch
+
+import specdec
+from specdec import SamplingParams, SpeculativeConfig
+from specdec.engine.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
+from tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target = str(tmp_path_factory.mktemp("mf_target"))
+    draft = str(tmp_path_factory.mktemp("mf_draft"))
+    make_tiny_model(target, "llama", seed=3)
+    make_tiny_model(draft, "llama", seed=3, perturb_from=target, perturb_scale=0.15)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    return specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256)
+
+
+def repetitive_prompts(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        unit = torch.randint(0, 257, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist()
+        out.append(unit * 4)
+    return out
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+CONFIGS = {
+    "ngram": lambda d: SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+    "prompt_lookup": lambda d: SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=4, prompt_lookup_min=1),
+    "combined": lambda d: SpeculativeConfig(method="combined", draft_model=d, num_speculative_tokens=3),
+    "combined_ngram_adaptive": lambda d: SpeculativeConfig(method="combined", draft_model=d, num_speculative_tokens=3,
+                                                           combined_lookup="ngram", adaptive=True),
+    "draft_model_adaptive": lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=4, adaptive=True),
+}
+
+
+@pytest.mark.parametrize("method", list(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_parity_with_every_method(pair, plain, method, batch):
+    target, draft = pair
+    ps = repetitive_prompts(8, seed=batch)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=256, max_num_seqs=batch,
+                      speculative=CONFIGS[method](draft))
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    drafted = sum(o.metrics["drafted"] for o in outs)
+    accepted = sum(o.metrics["accepted"] for o in outs)
+    assert 0 < accepted < drafted  # rounds that accept and rounds that reject
+    if not method.endswith("adaptive"):  # adaptive k keeps drafts short here, so they may not cross a block
+        assert llm.engine.stats["rollback_freed_blocks"] > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    # sampled requests run too (their distribution is proven in test_spec_lossless*.py)
+    sampled = llm.generate(prompt_token_ids=ps[:2], sampling_params=SamplingParams(
+        temperature=0.8, top_k=20, max_tokens=12, seed=1, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in sampled)
+
+
+def test_no_prediction_means_a_plain_step_without_verification(pair):
+    llm = specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256,
+                      speculative=SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=4,
+                                                    prompt_lookup_min=3))
+    out = llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5, 6, 7, 8]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True))[0]
+    # no 3-token suffix ever repeats in 8 distinct tokens + 2 new ones: no drafts, no rounds, one forward per token
+    assert out.metrics["drafted"] == 0 and out.metrics["num_rounds"] == 0
+    assert out.metrics["target_forwards"] == 3
+
+
+def test_adaptive_k_prefers_long_drafts_when_acceptance_is_high_and_switches_off_when_low():
+    costs = FixedCostModel(c=0.0, verify_slope=0.25)
+    ada = AdaptiveK(k_max=6, cost_model=costs, probe_every=4)
+    for _ in range(20):
+        ada.observe(1, drafted=6, accepted=6)
+        ada.observe(2, drafted=3, accepted=0)
+    assert ada.choose(1, batch_size=1, k_cap=6) == 6
+    assert ada.choose(1, batch_size=1, k_cap=2) == 2  # guards cap it
+    choices = [ada.choose(2, batch_size=1, k_cap=6) for _ in range(8)]
+    assert choices == [0, 0, 0, 1, 0, 0, 0, 1]  # off, with a probe every 4th step
+    # a costly draft model shortens k at the same acceptance
+    mid = FixedCostModel(c=0.0, verify_slope=0.05)
+    pricey = FixedCostModel(c=0.6, verify_slope=0.05)
+    for model, name in ((mid, "free"), (pricey, "pricey")):
+        a = AdaptiveK(k_max=8, cost_model=model)
+        for _ in range(20):
+            a.observe(0, drafted=4, accepted=3)
+        if name == "free":
+            k_free = a.choose(0, 1, 8)
+        else:
+            k_pricey = a.choose(0, 1, 8)
+    assert k_free > k_pricey >= 0
+    assert expected_speedup(0.0, 0, 0.3, 1.0) == 1.0
+
+
+def test_measured_cost_model_fits_the_target_line_and_the_draft_ratio():
+    cm = MeasuredCostModel()
+    assert cm.verify_cost(3, 2) == pytest.approx(1.3)  # prior until there is data
+    for n, t in ((2, 0.010), (4, 0.012), (8, 0.016)):  # batch 2: 10 ms + 1 ms per extra token
+        cm.observe_target(2, n, t)
+    cm.observe_draft(2, 0.004)
+    assert cm.verify_cost(0, 2) == 1.0
+    assert cm.verify_cost(1, 2) == pytest.approx(1.2)
+    assert cm.verify_cost(5, 2) == pytest.approx(2.0)  # 12 tokens, extrapolated on the fitted line
+    assert cm.draft_cost(2) == pytest.approx(0.4)
+    assert MeasuredCostModel(is_model_free=True).draft_cost(2) == 0.0
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from specdec.model.default_model import default_model_path
+
+    return default_model_path()
+
+
+def test_adaptive_k_settles_to_zero_on_random_tokens_and_stays_up_on_repetition(smollm2):
+    costs = FixedCostModel(c=0.0, verify_slope=0.25)
+    llm = specdec.LLM(smollm2, dtype="float32", max_model_len=512, speculative=SpeculativeConfig(
+        method="ngram", num_speculative_tokens=4, adaptive=True, cost_model=costs))
+    gen = torch.Generator().manual_seed(0)
+    random_tokens = torch.randint(1000, 30000, (40,), generator=gen).tolist()
+    noisy = llm.generate(prompt_token_ids=[random_tokens], sampling_params=SamplingParams(
+        temperature=1.0, max_tokens=40, seed=0, ignore_eos=True))[0].metrics
+    assert noisy["k_per_step"][-3:] == [0, 0, 0] and noisy["accepted"] <= noisy["drafted"] // 3
+    text = "red, green, blue, red, green, blue, red, green, blue, red, green, blue, red,"
+    repetitive = llm.generate([text], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].metrics
+    ks = repetitive["k_per_step"]
+    assert min(ks[-4:]) > 0 and ks[-4] == 4 and repetitive["acceptance_rate"] > 0.8  # the very end is capped by max_tokens
