@@ -133,4 +133,4 @@ def test_adaptive_k_settles_to_zero_on_random_tokens_and_stays_up_on_repetition(
     text = "red, green, blue, red, green, blue, red, green, blue, red, green, blue, red,"
     repetitive = llm.generate([text], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].metrics
     ks = repetitive["k_per_step"]
-    assert min(ks[-4:]) > 0 and ks[-4] == 4 and repetitive["acceptance_rate"] > 0.8  # the very end is capped by max_tokens
+    assert min(ks[-4:]) > 0 and max(ks) == 4 and repetitive["acceptance_rate"] > 0.8
