@@ -94,7 +94,8 @@ def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: i
     seed, position = as_u64(seeds), as_u64(positions)  # (R, 1)
     blocks = np.broadcast_to(counters, (seed.shape[0], counters.shape[1]))
     words = _philox4_numpy(seed, position, stream, blocks)  # 4 x (R, ceil(n/4))
-    bits = np.stack(words, axis=-1).reshape(seed.shape[0], 4 * counters.shape[1])[:, :n]  # (R, n): index i = word i % 4 of block i // 4
+    # (R, n): index i is word i % 4 of block i // 4
+    bits = np.stack(words, axis=-1).reshape(seed.shape[0], 4 * counters.shape[1])[:, :n]
     u = ((bits >> np.uint64(9)) * np.uint64(2) + np.uint64(1)).astype(np.float32) * np.float32(2.0**-24)
     return torch.from_numpy(u).to(device)
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
@@ -350,7 +351,8 @@ def _check_values(
     if cu[0].item() != 0 or cu[-1].item() != draft_token_ids.shape[0] or bool((num_drafts < 0).any()):
         raise ValueError("cu_num_draft_tokens must start at 0, be nondecreasing and end at len(draft_token_ids)")
     if num_drafts.numel() and num_drafts.max().item() > max_num_draft_tokens:
-        raise ValueError(f"a request has {num_drafts.max().item()} drafts > max_num_draft_tokens={max_num_draft_tokens}")
+        raise ValueError(
+            f"a request has {num_drafts.max().item()} drafts > max_num_draft_tokens={max_num_draft_tokens}")
     if bool(((draft_token_ids < 0) | (draft_token_ids >= target_probs.shape[1])).any()):
         raise ValueError(f"draft_token_ids must lie in [0, {target_probs.shape[1]})")
     if draft_probs is None and not bool(draft_is_onehot.all()):

@@ -165,7 +165,8 @@ def _demo(args) -> int:
           f"{rate['speculative'] / rate['plain']:.2f}x")
     if m.get("num_rounds"):
         print(f"acceptance {m['acceptance_rate']:.2f}, {m['mean_tokens_per_round']:.2f} tokens per round, "
-              f"{m['num_rounds']} rounds; identical tokens to plain greedy: {same}; {torch.get_num_threads()} thread(s)")
+              f"{m['num_rounds']} rounds; identical tokens to plain greedy: {same}; "
+              f"{torch.get_num_threads()} thread(s)")
     return 0
 
 

@@ -5,10 +5,10 @@ import os
 import shutil
 
 import pytest
+from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams
-from tiny_models import make_tiny_model
 
 OK = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 

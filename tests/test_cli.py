@@ -1,9 +1,9 @@
 """The CLI: generate (plain and speculative), convert errors, demo on a tiny model."""
 
 import pytest
+from tiny_models import make_tiny_model
 
 from specdec.cli import main
-from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -53,8 +53,10 @@ def test_window_tables_describe_exactly_the_window():
     stream = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
     slid = table(stream, window=8)
     fresh = table(stream[-8:], window=8)
-    strip = lambda t: {n: {c: {k: v[0] for k, v in conts.items()} for c, conts in tab.items()} for n, tab in t.tables.items()}  # noqa: E731
-    assert strip(slid) == strip(fresh)
+    def counts(t):
+        return {n: {c: {k: v[0] for k, v in conts.items()} for c, conts in tab.items()} for n, tab in t.tables.items()}
+
+    assert counts(slid) == counts(fresh)
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_match():

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from helpers import assert_greedy_equal
+from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams
-from helpers import assert_greedy_equal
-from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

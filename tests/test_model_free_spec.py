@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.engine.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
-from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

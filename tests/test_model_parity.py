@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
@@ -9,7 +10,6 @@ from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_model
 from specdec.model.rope import inverse_frequencies
-from tiny_models import make_tiny_model
 
 TOL = 1e-4
 CASES = [

@@ -5,11 +5,11 @@ import os
 
 import pytest
 import torch
+from helpers import assert_greedy_equal
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.model.default_model import default_gguf_path, default_model_path
-from helpers import assert_greedy_equal
 
 PROMPTS = [
     "The capital of France is",

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
-from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams
 from specdec.engine.detokenizer import _held_back, append_text
 from specdec.engine.sequence import Sequence
 from specdec.model.tokenizer import Tokenizer
-from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,8 @@ def llm(model_dir):
     return specdec.LLM(model_dir, dtype="float32", block_size=4, max_model_len=128)
 
 
-TEXTS = ["Hello, world!", "naïve café — 日本語 🤖", "def f(x):\n    return x ** 2\n", "  spaces   and\ttabs", "<|eos|>x"]
+TEXTS = ["Hello, world!", "naïve café — 日本語 🤖", "def f(x):\n    return x ** 2\n", "  spaces   and\ttabs",
+         "<|eos|>x"]
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -6,16 +6,14 @@ import itertools
 import random
 import time
 
-import torch
-
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.detokenizer import append_text, finalize_text
 from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
 from specdec.engine.sequence import Sequence, Status
 from specdec.engine.speculative import SpeculativeDecoder
-from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_model
 from specdec.model.tokenizer import Tokenizer

@@ -14,12 +14,11 @@ import os
 import time
 from pathlib import Path
 
+import gguf  # dev dependency: a missing install fails here instead of skipping
 import numpy as np
 import pytest
 import torch
-
-gguf = pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from specdec.model import gguf as gguf_convert
 from specdec.model.default_model import (
