@@ -37,12 +37,12 @@ from collections import Counter
 
 import pytest
 import torch
-from specdec.kernels import spec_sample as spec_sample_module
 from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams
 from specdec.drafters import draft_model as draft_model_module
+from specdec.kernels import spec_sample as spec_sample_module
 from specdec.sampling import sampler as sampler_module
 from specdec.sampling import verify as verify_module
 
@@ -79,20 +79,25 @@ def model_dirs(tmp_path_factory):
     return target, draft
 
 
-@pytest.fixture(scope="module")
-def prefix_logits(model_dirs) -> dict[tuple[int, ...], torch.Tensor]:
-    """float64 next-token logits of transformers' target after PROMPT + every prefix of length < MAX_M."""
+def target_prefix_logits(target_dir: str, prompt: list[int], max_m: int) -> dict[tuple[int, ...], torch.Tensor]:
+    """float64 next-token logits of transformers' target after ``prompt`` + every prefix of length < max_m."""
     import transformers
 
-    model = transformers.LlamaForCausalLM.from_pretrained(model_dirs[0], dtype=torch.float32).eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     table = {}
     with torch.no_grad():
-        for length in range(MAX_M):
+        for length in range(max_m):
             prefixes = list(itertools.product(range(VOCAB), repeat=length))
-            ids = torch.tensor([PROMPT + list(p) for p in prefixes], dtype=torch.int64)
+            ids = torch.tensor([prompt + list(p) for p in prefixes], dtype=torch.int64)
             logits = model(ids).logits[:, -1].double()
             table.update(zip(prefixes, logits))
     return table
+
+
+@pytest.fixture(scope="module")
+def prefix_logits(model_dirs) -> dict[tuple[int, ...], torch.Tensor]:
+    """float64 next-token logits of transformers' target after PROMPT + every prefix of length < MAX_M."""
+    return target_prefix_logits(model_dirs[0], PROMPT, MAX_M)
 
 
 @pytest.fixture(scope="module")
@@ -146,9 +151,10 @@ def oracle_distribution(logits: torch.Tensor, context: list[int], output: list[i
     return p
 
 
-def exact_joint(prefix_logits: dict, cfg: dict, m: int) -> torch.Tensor:
-    """float64 ``[V] * m``: the exact probability of every continuation of PROMPT of length m."""
-    dist = {prefix: oracle_distribution(logits, PROMPT + list(prefix), list(prefix), cfg)
+def exact_joint(prefix_logits: dict, cfg: dict, m: int, prompt: list[int] = PROMPT) -> torch.Tensor:
+    """float64 ``[V] * m``: the exact probability of every continuation of ``prompt`` of length m
+    (``prefix_logits`` must be the logits after that same prompt)."""
+    dist = {prefix: oracle_distribution(logits, prompt + list(prefix), list(prefix), cfg)
             for prefix, logits in prefix_logits.items() if len(prefix) < m}
     joint = torch.ones([VOCAB] * m, dtype=torch.float64)
     for seq in itertools.product(range(VOCAB), repeat=m):
@@ -194,11 +200,11 @@ def chi_square_test(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, f
     return stat, chi2_isf(ALPHA, df), df, impossible
 
 
-def run(llm, cfg: dict, m: int, n: int, label: str) -> tuple[torch.Tensor, list[dict]]:
-    """n seeded requests in one generate call: (counts ``[V] * m``, per-request metrics)."""
+def run(llm, cfg: dict, m: int, n: int, label: str, prompt: list[int] = PROMPT) -> tuple[torch.Tensor, list[dict]]:
+    """n seeded requests of ``prompt`` in one generate call: (counts ``[V] * m``, per-request metrics)."""
     params = [SamplingParams(seed=i, max_tokens=m, ignore_eos=True, **cfg) for i in range(n)]
     start = time.perf_counter()
-    outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=params)
+    outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
     counts = torch.zeros([VOCAB] * m, dtype=torch.int64)
     for out in outs:
         tokens = out.outputs[0].token_ids
