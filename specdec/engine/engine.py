@@ -10,7 +10,8 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.detokenizer import append_text, finalize_text
-from specdec.engine.model_runner import ForwardItem, ModelRunner
+from specdec.engine.model_runner import ModelRunner
+from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
 from specdec.engine.sequence import Sequence, Status
 from specdec.engine.speculative import SpeculativeDecoder
@@ -19,7 +20,6 @@ from specdec.model.loader import load_model
 from specdec.model.tokenizer import Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.sampler import sample_next_tokens
 
 
 class LLMEngine:
@@ -134,28 +134,13 @@ class LLMEngine:
         return self._refresh_metrics(outputs)
 
     def _plain_step(self, batch: ScheduledBatch) -> dict[int, list[int]]:
-        items, sampling = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            completes = seq.num_computed + n == seq.num_tokens
-            tokens = seq.all_token_ids[seq.num_computed : seq.num_computed + n]
-            items.append(ForwardItem(seq.seq_id, tokens, seq.num_computed, 1 if completes else 0))
-            if completes:
-                sampling.append(seq)
-        logits = self.runner.forward(items)  # (len(sampling), V)
+        items = [plain_item(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        logits = self.runner.forward(items)  # (sequences that complete, V)
+        sampling = [seq for seq, item in zip(batch.seqs, items) if item.num_logits]
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed += n
             seq.metrics.target_forwards += 1
-        if not sampling:
-            return {}
-        tokens = sample_next_tokens(
-            logits,
-            [s.params for s in sampling],
-            [s.seed for s in sampling],
-            [s.num_tokens for s in sampling],
-            [s.prompt_token_ids for s in sampling],
-            [s.output_token_ids for s in sampling],
-        ).tolist()
-        return {s.seq_id: [t] for s, t in zip(sampling, tokens)}
+        return sample_plain(logits, sampling)
 
     def _process(self, seqs: list[Sequence], new_tokens: dict[int, list[int]]) -> list[RequestOutput]:
         """Append accepted tokens, check stop conditions token by token, free finished requests."""

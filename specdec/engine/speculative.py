@@ -21,12 +21,12 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine.adaptive import AdaptiveK, MeasuredCostModel
 from specdec.engine.model_runner import ForwardItem, ModelRunner
+from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.loader import load_model, resolve_model_path
 from specdec.model.tokenizer import Tokenizer
-from specdec.sampling.sampler import sample_next_tokens
 from specdec.sampling.verify import verify
 
 
@@ -104,14 +104,12 @@ class SpeculativeDecoder:
         # One ragged target forward: [last, d1..dk] for speculating rows, chunks/decodes for the others.
         items, plain = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            tokens = seq.all_token_ids[seq.num_computed : seq.num_computed + n]
             if seq.seq_id in drafts:
                 d = drafts[seq.seq_id]
-                items.append(ForwardItem(seq.seq_id, tokens + d, seq.num_computed, len(d) + 1))
+                items.append(ForwardItem(seq.seq_id, [seq.all_token_ids[-1]] + d, seq.num_computed, len(d) + 1))
             else:
-                completes = seq.num_computed + n == seq.num_tokens
-                items.append(ForwardItem(seq.seq_id, tokens, seq.num_computed, 1 if completes else 0))
-                if completes:
+                items.append(plain_item(seq, n))
+                if items[-1].num_logits:
                     plain.append(seq)
         start = time.perf_counter()
         logits = runner.forward(items)  # (sum of num_logits, V)
@@ -126,12 +124,7 @@ class SpeculativeDecoder:
             (spec_rows if seq.seq_id in drafts else plain_rows).extend(rows)
             row += item.num_logits
             seq.metrics.target_forwards += 1
-        if plain:
-            tokens = sample_next_tokens(
-                logits[plain_rows], [s.params for s in plain], [s.seed for s in plain], [s.num_tokens for s in plain],
-                [s.prompt_token_ids for s in plain], [s.output_token_ids for s in plain],
-            ).tolist()
-            new_tokens.update({s.seq_id: [t] for s, t in zip(plain, tokens)})
+        new_tokens.update(sample_plain(logits[plain_rows], plain))
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.seq_id not in drafts:
                 seq.num_computed += n

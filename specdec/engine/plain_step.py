@@ -1,0 +1,27 @@
+"""The plain (non-speculative) part of a step: a request's next chunk as a forward item, and its next token."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.model_runner import ForwardItem
+from specdec.engine.sequence import Sequence
+from specdec.sampling.sampler import sample_next_tokens
+
+
+def plain_item(seq: Sequence, num_new: int) -> ForwardItem:
+    """The next ``num_new`` tokens of ``seq``; logits only if they complete it (then a token is sampled)."""
+    tokens = seq.all_token_ids[seq.num_computed : seq.num_computed + num_new]
+    completes = seq.num_computed + num_new == seq.num_tokens
+    return ForwardItem(seq.seq_id, tokens, seq.num_computed, 1 if completes else 0)
+
+
+def sample_plain(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, list[int]]:
+    """One sampled token per sequence from its logits row ``[len(seqs), V]``."""
+    if not seqs:
+        return {}
+    tokens = sample_next_tokens(
+        logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
+        [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
+    ).tolist()
+    return {s.seq_id: [t] for s, t in zip(seqs, tokens)}
