@@ -23,13 +23,15 @@ then::
 
     for report in compile_reports(jobs, workers=2):
         assert report["error"] is None, report["error"]
-        assert report["spill_stores"] == 0 and report["spill_loads"] == 0
+        assert report["spill_stores"] == 0 and report["spill_loads"] == 0  # or: report["loop_local_accesses"] == 0
         assert report["shared"] <= 99 * 1024
 
 A report is a dict: the job's fields, plus ``registers`` (per thread, from ``cuobjdump --dump-resource-usage``
 on the cubin), ``stack`` and ``local`` (bytes per thread; ``stack == 0`` proves there is no spill),
 ``spill_stores`` / ``spill_loads`` (bytes, from ``ptxas -v`` on the PTX, run only when the stack is not 0:
-a small stack frame can hold non-spilled data), ``shared`` (bytes per program, from the compiled metadata),
+a small stack frame can hold non-spilled data), ``loop_local_accesses`` (spill instructions inside a loop of
+the SASS: 0 means any spill is cold - ptxas sometimes caps registers at an occupancy step, e.g. 128, and parks a
+scalar in local memory for the whole loop instead), ``shared`` (bytes per program, from the compiled metadata),
 ``seconds`` and ``error`` (None, or the compile traceback - a failing job never hides the others).
 
 Run as a script, this file is the subprocess worker: a JSON list of jobs on stdin, a JSON list of reports on
@@ -214,13 +216,14 @@ def compile_report(
 
 def format_table(reports: Sequence[dict], columns: Sequence[str]) -> str:
     """A fixed-width text table: the given constexpr (or job field) columns, then arch, warps, stages and usage."""
-    header = [*columns, "arch", "warps", "stages", "regs", "stack", "spill_st", "spill_ld", "shared_KiB"]
+    header = [*columns, "arch", "warps", "stages", "regs", "stack", "spill_st", "spill_ld", "in_loop", "shared_KiB"]
     rows = []
     for r in reports:
         values = [r["constexprs"].get(c, r.get(c, "")) for c in columns]
-        usage = ["ERROR", "", "", "", ""]
+        usage = ["ERROR", "", "", "", "", ""]
         if r["error"] is None:
-            usage = [r["registers"], r["stack"], r["spill_stores"], r["spill_loads"], f"{r['shared'] / 1024:.1f}"]
+            usage = [r["registers"], r["stack"], r["spill_stores"], r["spill_loads"], r["loop_local_accesses"],
+                     f"{r['shared'] / 1024:.1f}"]  # fmt: skip
         rows.append([str(v) for v in [*values, f"sm_{r['arch']}", r["num_warps"], r["num_stages"], *usage]])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
@@ -243,7 +246,8 @@ def _compile_one(job: dict) -> dict:
     from triton.backends.compiler import GPUTarget
 
     start = time.perf_counter()
-    report = {**job, "registers": None, "stack": None, "local": None, "spill_stores": None, "spill_loads": None}
+    report = {**job, "registers": None, "stack": None, "local": None, "spill_stores": None, "spill_loads": None,
+              "loop_local_accesses": None}  # fmt: skip
     report.update(shared=None, error=None)
     try:
         kernel = getattr(importlib.import_module(job["module"]), job["kernel"])
@@ -261,6 +265,7 @@ def _compile_one(job: dict) -> dict:
         report.update(_resource_usage(ck.asm["cubin"], bin_dir))
         if report["stack"]:
             report.update(_spills(ck.asm["ptx"], job["arch"], bin_dir))
+            report["loop_local_accesses"] = _loop_local_accesses(ck.asm["cubin"], bin_dir)
     except Exception:  # noqa: BLE001 - the report carries the traceback; other jobs go on
         import traceback
 
@@ -281,7 +286,26 @@ def _resource_usage(cubin: bytes, bin_dir: str) -> dict:
         raise RuntimeError(f"unexpected cuobjdump output:\n{text}")
     stack = int(match[2])
     # STACK:0 proves there is no spill; a non-zero stack frame is looked into by _spills.
-    return {"registers": int(match[1]), "stack": stack, "local": int(match[4]), "spill_stores": 0, "spill_loads": 0}
+    return {"registers": int(match[1]), "stack": stack, "local": int(match[4]), "spill_stores": 0, "spill_loads": 0,
+            "loop_local_accesses": 0}  # fmt: skip
+
+
+def _loop_local_accesses(cubin: bytes, bin_dir: str) -> int:
+    """Local-memory instructions (STL/LDL: spills) inside a loop of the SASS, i.e. between a backward branch
+    and its target. 0 means every spill is cold: stored once before the loops and reloaded once after."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    insts = [(int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loops = []
+    for addr, text in insts:
+        branch = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if branch and int(branch[1], 16) <= addr:
+            loops.append((int(branch[1], 16), addr))
+    local = [addr for addr, text in insts if re.search(r"\b(STL|LDL)\b", text)]
+    return sum(any(lo <= a <= hi for lo, hi in loops) for a in local)
 
 
 def _spills(ptx: str, arch: int, bin_dir: str) -> dict:

@@ -1,0 +1,275 @@
+"""Paged attention: the Triton kernel against the torch reference, and the reference against dense SDPA.
+
+On CPU the kernel runs in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so shapes stay
+small. On a CUDA machine the same cases also run on the GPU; run them with ``TRITON_INTERPRET=0`` in the
+environment to test the compiled kernel there (the CPU cases are then skipped: compiled Triton needs CUDA).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import ops
+from specdec.kernels import paged_attention as pa
+from specdec.kernels.paged_attention import paged_attention, paged_attention_reference
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# fp16/bf16: outputs are rounded to the dtype and P is cast to it for the P @ V dot (as every fused kernel does).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+TF32_TOLERANCE = 5e-3  # fp32 tl.dot on a GPU uses tf32
+
+
+def _tol(dtype: torch.dtype, device: str) -> dict:
+    tol = TOLERANCE[dtype]
+    if dtype == torch.float32 and device == "cuda" and not pa._INTERPRETED:
+        tol = TF32_TOLERANCE
+    return {"atol": tol, "rtol": tol}
+
+
+def _skip_unless_runnable(device: str) -> None:
+    if device == "cpu" and not pa._INTERPRETED:
+        pytest.skip("compiled Triton (TRITON_INTERPRET=0) cannot run on CPU tensors")
+
+
+def random_tree_mask(q_len: int, gen: random.Random) -> torch.Tensor:
+    """bool [q_len, q_len]: a random token tree in topological order; i sees j iff j is i or an ancestor of i."""
+    mask = torch.eye(q_len, dtype=torch.bool)
+    for i in range(1, q_len):
+        parent = gen.randrange(-1, i)  # -1: another root, hanging off the context prefix directly
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device,
+               tree=False, spare_blocks=5, seed=0):  # fmt: skip
+    """Random inputs: every sequence's blocks are scattered over a shuffled cache with spare blocks between."""
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(q_lens)
+    blocks_per_seq = [-(-c // block_size) for c in ctx_lens]
+    max_blocks = max(blocks_per_seq) + 1  # a wider table than needed: entries past a sequence are garbage
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.full((num_seqs, max_blocks), 10**6, dtype=torch.int32)  # out of range if ever read
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = perm[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
+    cu_q_lens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(ctx_lens, dtype=torch.int32)
+    tree_args = ()
+    if tree:
+        rng = random.Random(seed)
+        masks = [random_tree_mask(n, rng).flatten() for n in q_lens]
+        indptr = torch.tensor([0, *torch.tensor([n * n for n in q_lens]).cumsum(0).tolist()], dtype=torch.int32)
+        tree_args = (torch.cat(masks), indptr)
+    tensors = (q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, *tree_args)
+    tensors = tuple(t.to(device) for t in tensors)
+    return (*tensors[:6], head_dim**-0.5, *tensors[6:])
+
+
+# (q_lens, ctx_lens, Hq, Hkv, D, block_size): ragged batches, q_len 0/1/>1 mixed, contexts crossing blocks.
+CASES = {
+    "decode_gqa4": ([1, 1, 1], [17, 64, 33], 8, 2, 64, 16),
+    "mixed_gqa7_d128": ([1, 5, 0, 3], [40, 70, 9, 3], 14, 2, 128, 16),
+    "mha_verify": ([2, 9], [9, 100], 4, 4, 64, 16),
+    "gqa2_odd_block_and_head_dim": ([4, 1, 6], [23, 5, 51], 6, 3, 48, 5),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_reference_causal(case, dtype, device):
+    _skip_unless_runnable(device)
+    args = make_batch(*CASES[case], dtype, device)
+    out = paged_attention(*args)
+    torch.testing.assert_close(out, paged_attention_reference(*args), **_tol(dtype, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_matches_reference_tree(dtype, device):
+    _skip_unless_runnable(device)
+    # Hq 8 / Hkv 2, D 64: trees of 1..9 tokens, one without any context prefix.
+    args = make_batch([9, 1, 4, 6], [60, 20, 4, 37], 8, 2, 64, 16, dtype, device, tree=True, seed=1)
+    out = paged_attention(*args)
+    torch.testing.assert_close(out, paged_attention_reference(*args), **_tol(dtype, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tree_mask_of_a_chain_equals_causal(device):
+    _skip_unless_runnable(device)
+    q_lens = [3, 7]
+    args = make_batch(q_lens, [30, 7], 7, 1, 32, 8, torch.float32, device)
+    chain = torch.cat([torch.ones(n, n, dtype=torch.bool).tril().flatten() for n in q_lens]).to(device)
+    indptr = torch.tensor([0, 9, 58], dtype=torch.int32, device=device)
+    torch.testing.assert_close(paged_attention(*args, chain, indptr), paged_attention(*args), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_split_kv_matches_reference(num_splits, tree, device):
+    """Flash-decoding path: KV ranges split over programs, merged by the reduce kernel (some splits empty)."""
+    _skip_unless_runnable(device)
+    args = make_batch([1, 3, 1], [128, 77, 2], 4, 2, 64, 16, torch.float16, device, tree=tree, seed=2)
+    out = paged_attention(*args, num_splits=num_splits)
+    torch.testing.assert_close(out, paged_attention_reference(*args), **_tol(torch.float16, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_and_zero_q_len(device):
+    _skip_unless_runnable(device)
+    args = make_batch([0, 2, 0], [5, 9, 1], 4, 2, 16, 4, torch.float32, device)
+    torch.testing.assert_close(paged_attention(*args), paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    args = make_batch([0, 0], [5, 9], 4, 2, 16, 4, torch.float32, device)
+    assert paged_attention(*args).shape == (0, 4, 16)
+    q, k, v, _, _, _, scale = args
+    no_seqs = (torch.zeros(0, 3, dtype=torch.int32, device=device), torch.zeros(0, dtype=torch.int32, device=device),
+               torch.zeros(1, dtype=torch.int32, device=device))  # fmt: skip
+    assert paged_attention(q, k, v, *no_seqs, scale).shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_cache_and_query(device):
+    """Strided inputs: K and V interleaved in one [num_blocks, 2, ...] tensor; q sliced out of a fused qkv."""
+    _skip_unless_runnable(device)
+    q, k, v, bt, sl, cu, scale = make_batch([2, 1], [19, 40], 4, 2, 32, 8, torch.float16, device)
+    kv = torch.stack([k, v], dim=1)  # (num_blocks, 2, block_size, Hkv, D)
+    qkv = torch.cat([q, torch.zeros_like(q)], dim=1)  # (T, 2 * Hq, D)
+    args = (qkv[:, :4], kv[:, 0], kv[:, 1], bt, sl, cu, scale)
+    assert not args[0].is_contiguous() and not args[1].is_contiguous()
+    torch.testing.assert_close(paged_attention(*args), paged_attention_reference(*args), **_tol(torch.float16, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_offsets_beyond_int32(device):
+    """Block ids whose element offset (id * block stride) exceeds 2**31: the kernel must use 64-bit offsets.
+
+    K and V are interleaved in one fp16 [2**22 + 8, 2, 16, 1, 16] tensor (block stride 2**9 elements): 4 GiB of
+    address space that is never touched except for the few blocks written here, so it costs almost no memory.
+    """
+    _skip_unless_runnable(device)
+    num_blocks, block_size = 2**22 + 8, 16
+    if device == "cuda" and torch.cuda.mem_get_info()[0] < 6 * 2**30:
+        pytest.skip("needs 4 GiB of free GPU memory")
+    kv = torch.empty((num_blocks, 2, block_size, 1, 16), dtype=torch.float16, device=device)
+    ids = torch.tensor([[num_blocks - 1, 3, 2**22 + 1], [7, 2**22, 0]], dtype=torch.int32, device=device)
+    assert int(ids.max()) * kv.stride(0) >= 2**31
+    gen = torch.Generator().manual_seed(3)
+    kv[ids.flatten().long()] = torch.randn(6, 2, block_size, 1, 16, generator=gen).to(device, torch.float16)
+    q = torch.randn(3, 2, 16, generator=gen).to(device, torch.float16)
+    seq_lens = torch.tensor([40, 35], dtype=torch.int32, device=device)
+    cu_q_lens = torch.tensor([0, 1, 3], dtype=torch.int32, device=device)
+    args = (q, kv[:, 0], kv[:, 1], ids, seq_lens, cu_q_lens, 0.25)
+    torch.testing.assert_close(paged_attention(*args), paged_attention_reference(*args), **_tol(torch.float16, device))
+
+
+def test_ops_dispatch_runs_the_kernel_when_forced():
+    args = make_batch([1, 2], [10, 20], 4, 2, 16, 4, torch.float32, "cpu")
+    with ops.force_triton():
+        out = ops.paged_attention(*args)
+    torch.testing.assert_close(out, paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- the oracle itself
+
+
+def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask=None, indptr=None):
+    """Non-paged SDPA per sequence with an explicit boolean mask: an independent check of the reference."""
+    out = torch.empty_like(q, dtype=torch.float32)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    for b in range(len(seq_lens)):
+        start, end, ctx = int(cu_q_lens[b]), int(cu_q_lens[b + 1]), int(seq_lens[b])
+        n = end - start
+        if n == 0:
+            continue
+        slots = [int(block_tables[b, p // block_size]) * block_size + p % block_size for p in range(ctx)]
+        flat = (-1, num_kv_heads, k_cache.shape[3])
+        keys = k_cache.reshape(flat)[slots].float().transpose(0, 1)  # (Hkv, ctx, D)
+        values = v_cache.reshape(flat)[slots].float().transpose(0, 1)  # (Hkv, ctx, D)
+        allowed = torch.zeros(n, ctx, dtype=torch.bool)  # (q_len, ctx)
+        for i in range(n):
+            pos = ctx - n + i  # absolute position of new token i
+            allowed[i, : ctx - n] = True
+            for j in range(n):
+                sees = bool(tree_mask[int(indptr[b]) + i * n + j]) if tree_mask is not None else j <= i
+                allowed[i, ctx - n + j] = sees
+            assert allowed[i, pos] or tree_mask is not None
+        qb = q[start:end].float().transpose(0, 1)  # (Hq, q_len, D)
+        o = F.scaled_dot_product_attention(
+            qb, keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0), attn_mask=allowed, scale=scale
+        )  # (Hq, q_len, D)
+        out[start:end] = o.transpose(0, 1)
+    return out.to(q.dtype)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
+def test_reference_matches_dense_sdpa(tree):
+    for seed, case in enumerate(CASES.values()):
+        args = make_batch(*case, torch.float32, "cpu", tree=tree, seed=seed)
+        torch.testing.assert_close(paged_attention_reference(*args), dense_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- validation
+
+
+def _valid_args():
+    return list(make_batch([1, 2], [5, 9], 4, 2, 16, 4, torch.float16, "cpu"))
+
+
+def _with(index, value):
+    args = _valid_args()
+    args[index] = value(args[index]) if callable(value) else value
+    return args
+
+
+INVALID = {
+    "q must be fp32/fp16/bf16": _with(0, lambda q: q.to(torch.float64)),
+    "dtypes .* must equal q's": _with(1, lambda k: k.float()),
+    r"q must be \[T, Hq, D\]": _with(0, lambda q: q[None]),
+    "v_cache shape": _with(2, lambda v: v[:, :2]),
+    "head_dim of q": _with(0, lambda q: q[..., :8]),
+    "positive multiple of Hkv": _with(0, lambda q: q[:, :3]),
+    "contiguous in its last": _with(0, lambda q: q.transpose(1, 2).contiguous().transpose(1, 2)),
+    "block_tables must be int32": _with(3, lambda t: t.long()),
+    "seq_lens must be int32": _with(4, lambda t: t.long()),
+    "cu_q_lens must have B \\+ 1": _with(5, lambda t: t[:-1]),
+    "block_tables has 1 rows": _with(3, lambda t: t[:1]),
+    "the batch has no sequence": [*_valid_args()[:3], torch.zeros(0, 3, dtype=torch.int32),
+                                  torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 1.0],
+    "cu_q_lens must rise from 0 to T": _with(5, lambda t: t - 1),
+    "q_len <= seq_len": _with(4, lambda t: torch.tensor([5, 1], dtype=torch.int32)),
+    "max_blocks \\* block_size": _with(4, lambda t: torch.tensor([5, 99], dtype=torch.int32)),
+    "ids outside": _with(3, lambda t: t + 100),
+    "scale must be finite": _with(6, float("nan")),
+    "must be given together": [*_valid_args(), torch.zeros(5, dtype=torch.bool)],
+    "tree_mask must be a contiguous 1-d": [*_valid_args(), torch.zeros(5, dtype=torch.int32),
+                                           torch.tensor([0, 1, 5], dtype=torch.int32)],
+    "must lie within tree_mask": [*_valid_args(), torch.zeros(4, dtype=torch.bool),
+                                  torch.tensor([0, 1, 5], dtype=torch.int32)],
+    "is on meta but q is on cpu": _with(1, lambda k: k.to("meta")),
+}
+
+
+@pytest.mark.parametrize("message", list(INVALID))
+def test_launcher_rejects_bad_inputs(message):
+    with pytest.raises(ValueError, match=message):
+        paged_attention(*INVALID[message])
+
+
+def test_launcher_rejects_non_tensors_and_bad_splits():
+    args = _valid_args()
+    with pytest.raises(TypeError, match="seq_lens must be a torch.Tensor"):
+        paged_attention(*args[:4], [5, 9], *args[5:])
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention(*args, num_splits=0)
