@@ -50,10 +50,11 @@ def paged_attention_reference(
     """
     _, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    out = torch.empty_like(q)
     seq_lens_l = seq_lens.tolist()
     cu_l = cu_q_lens.tolist()
+    if tree_mask is None and q.shape[0] == len(seq_lens_l) and q.shape[0] > 1:
+        return _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, max(seq_lens_l), scale)
+    out = torch.empty_like(q)
     for b, ctx_len in enumerate(seq_lens_l):
         q_start, q_end = cu_l[b], cu_l[b + 1]
         q_len = q_end - q_start
@@ -61,25 +62,47 @@ def paged_attention_reference(
             continue
         num_blocks = (ctx_len + block_size - 1) // block_size
         blocks = block_tables[b, :num_blocks].long()
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()  # (ctx, Hkv, D)
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx_len].float()  # (ctx, Hkv, D)
-        keys = keys.repeat_interleave(group, dim=1)  # (ctx, Hq, D)
-        values = values.repeat_interleave(group, dim=1)  # (ctx, Hq, D)
-        qb = q[q_start:q_end].float()  # (q_len, Hq, D)
-        scores = torch.einsum("qhd,khd->hqk", qb, keys) * scale  # (Hq, q_len, ctx)
-        prefix = ctx_len - q_len
-        visible = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device)  # (q_len, ctx)
-        if tree_mask is not None:
-            m0 = int(tree_mask_indptr[b])
-            new_mask = tree_mask[m0 : m0 + q_len * q_len].view(q_len, q_len).bool()
-        else:
-            new_mask = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
-        visible[:, prefix:] = new_mask
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # (Hq, q_len, ctx)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]  # (ctx, Hkv, D)
+        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]  # (ctx, Hkv, D)
+        visible = None  # decode (q_len 1): the one new token sees the whole context
+        if q_len > 1:
+            prefix = ctx_len - q_len
+            visible = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device)  # (q_len, ctx)
+            if tree_mask is not None:
+                m0 = int(tree_mask_indptr[b])
+                visible[:, prefix:] = tree_mask[m0 : m0 + q_len * q_len].view(q_len, q_len).bool()
+            else:
+                visible[:, prefix:] = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
+        elif tree_mask is not None:
+            visible = tree_mask[int(tree_mask_indptr[b])].bool().expand(1, ctx_len).clone()
+            visible[:, : ctx_len - 1] = True
+        # (Hq, q_len, D) x (Hkv, ctx, D): GQA maps query head h to KV head h // (Hq / Hkv)
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q[q_start:q_end].float().transpose(0, 1), keys.float().transpose(0, 1), values.float().transpose(0, 1),
+            attn_mask=visible, scale=scale, enable_gqa=True,
+        )  # (Hq, q_len, D)
+        out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
     return out
 
+
+
+def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, max_len: int, scale: float) -> torch.Tensor:
+    """Every sequence has exactly one new token: one padded SDPA over the batch instead of a loop (CPU path)."""
+    batch, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks = (max_len + block_size - 1) // block_size
+    blocks = block_tables[:, :num_blocks].long()  # (B, nb)
+    used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None].long()
+    blocks = torch.where(used, blocks, 0)  # entries past a sequence's end may hold anything: read block 0, masked
+    keys = k_cache[blocks].view(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # (B, L, Hkv, D)
+    values = v_cache[blocks].view(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # (B, L, Hkv, D)
+    positions = torch.arange(max_len, device=q.device)
+    visible = (positions[None, :] < seq_lens[:, None].long())[:, None, None, :]  # (B, 1, 1, L)
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None, :], keys.float().transpose(1, 2), values.float().transpose(1, 2),
+        attn_mask=visible, scale=scale, enable_gqa=True,
+    )  # (B, Hq, 1, D)
+    return attended[:, :, 0, :].to(q.dtype)
 
 @triton.jit
 def _attend_tile(

@@ -273,3 +273,20 @@ def test_launcher_rejects_non_tensors_and_bad_splits():
         paged_attention(*args[:4], [5, 9], *args[5:])
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention(*args, num_splits=0)
+
+
+def test_reference_batched_decode_path_equals_per_sequence_calls():
+    """The reference's padded one-call path for all-decode batches agrees with one call per sequence."""
+    gen = torch.Generator().manual_seed(5)
+    num_blocks, block_size, hkv, group, dim = 40, 4, 2, 3, 16
+    k_cache = torch.randn(num_blocks, block_size, hkv, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, hkv, dim, generator=gen)
+    seq_lens = torch.tensor([1, 9, 4, 13], dtype=torch.int32)
+    tables = torch.randperm(num_blocks, generator=gen)[:16].view(4, 4).to(torch.int32)
+    tables[0, 1:] = 10**6  # junk past a sequence's end is never read
+    q = torch.randn(4, hkv * group, dim, generator=gen)
+    batched = paged_attention_reference(q, k_cache, v_cache, tables, seq_lens, torch.arange(5, dtype=torch.int32), 0.3)
+    for b in range(4):
+        single = paged_attention_reference(q[b : b + 1], k_cache, v_cache, tables[b : b + 1], seq_lens[b : b + 1],
+                                           torch.tensor([0, 1], dtype=torch.int32), 0.3)
+        torch.testing.assert_close(batched[b : b + 1], single)
