@@ -52,7 +52,7 @@ def paged_attention_reference(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     seq_lens_l = seq_lens.tolist()
     cu_l = cu_q_lens.tolist()
-    if tree_mask is None and q.shape[0] == len(seq_lens_l) and q.shape[0] > 1:
+    if tree_mask is None and q.shape[0] == len(seq_lens_l):
         return _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, max(seq_lens_l), scale)
     out = torch.empty_like(q)
     for b, ctx_len in enumerate(seq_lens_l):
