@@ -143,6 +143,10 @@ def test_metrics_are_consistent(pair):
         assert m["num_generated_tokens"] == len(out.outputs[0].token_ids)
         assert m["acceptance_rate"] == pytest.approx(m["accepted"] / m["drafted"])
         assert m["mean_tokens_per_round"] <= 4 and m["num_rounds"] >= 1
+        # every generated token came from a verification round, or from a plain step (prefill's, k_eff = 0)
+        plain_tokens = 1 + m["k_per_step"].count(0)
+        assert round(m["mean_tokens_per_round"] * m["num_rounds"]) + plain_tokens == m["num_generated_tokens"]
+        assert m["num_rounds"] == len(m["k_per_step"]) - m["k_per_step"].count(0)
         assert len(m["per_position_acceptance"]) == 3
         assert m["target_forwards"] >= m["num_rounds"] and m["draft_forwards"] >= m["num_rounds"]
         assert m["wall_time"] > 0

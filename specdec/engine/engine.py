@@ -46,7 +46,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
-        self._seq_by_request: dict[str, Sequence] = {}  # also finished ones of the current step, for metrics
 
     # --- requests ------------------------------------------------------------------------------------------
     def validate_request(
@@ -124,14 +123,9 @@ class LLMEngine:
         if not batch.seqs:
             return []
         if self.speculative is None:
-            return self._process(batch.seqs, self._plain_step(batch))
-        rounds_before = {s.seq_id: (s.metrics.num_rounds, len(s.output_token_ids)) for s in batch.seqs}
-        outputs = self._process(batch.seqs, self.speculative.step(batch, self.runner, self.block_manager))
-        for seq in batch.seqs:
-            rounds, length = rounds_before[seq.seq_id]
-            if seq.metrics.num_rounds > rounds:  # tokens this round emitted (after stop truncation)
-                seq.metrics.num_round_tokens += len(seq.output_token_ids) - length
-        return self._refresh_metrics(outputs)
+            return self._process(batch.seqs, self._plain_step(batch), verified=set())
+        new_tokens = self.speculative.step(batch, self.runner, self.block_manager)
+        return self._process(batch.seqs, new_tokens, verified=self.speculative.last_verified)
 
     def _plain_step(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         items = [plain_item(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
@@ -142,10 +136,13 @@ class LLMEngine:
             seq.metrics.target_forwards += 1
         return sample_plain(logits, sampling)
 
-    def _process(self, seqs: list[Sequence], new_tokens: dict[int, list[int]]) -> list[RequestOutput]:
-        """Append accepted tokens, check stop conditions token by token, free finished requests."""
+    def _process(
+        self, seqs: list[Sequence], new_tokens: dict[int, list[int]], verified: set[int]
+    ) -> list[RequestOutput]:
+        """Append accepted tokens, check stop conditions token by token, free finished requests.
+
+        ``verified``: ids of the sequences whose tokens came from a verification round (for tau)."""
         outputs = []
-        self._seq_by_request = {s.request_id: s for s in seqs}
         now = time.perf_counter()
         for seq in seqs:
             tokens = new_tokens.get(seq.seq_id)
@@ -153,6 +150,7 @@ class LLMEngine:
                 continue
             if seq.metrics.first_token_time is None:
                 seq.metrics.first_token_time = now
+            before = len(seq.output_token_ids)
             for token in tokens:
                 seq.output_token_ids.append(token)
                 stopped_by_string = self.tokenizer is not None and append_text(seq, self.tokenizer)
@@ -160,15 +158,10 @@ class LLMEngine:
                 if reason is not None:
                     self._finish(seq, reason, stopped_by_string)
                     break
+            if seq.seq_id in verified:  # tau counts what a round emitted after stop truncation
+                seq.metrics.num_round_tokens += len(seq.output_token_ids) - before
             seq.metrics.num_generated_tokens = len(seq.output_token_ids)
             outputs.append(self._output(seq))
-        return outputs
-
-    def _refresh_metrics(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        for out in outputs:
-            seq = self._seq_by_request.get(out.request_id)
-            if seq is not None:
-                out.metrics = seq.metrics.as_dict()
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:

@@ -53,6 +53,7 @@ class SpeculativeDecoder:
         self.adaptive = AdaptiveK(self.k, self.cost_model) if spec.adaptive else None
         if model_drafter is not None:
             model_drafter.on_forward = self.cost_model.observe_draft
+        self.last_verified: set[int] = set()
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
 
     def _load_draft_model(self, tokenizer: Tokenizer | None) -> DraftModelDrafter:
@@ -91,6 +92,7 @@ class SpeculativeDecoder:
              target_block_manager: BlockManager) -> dict[int, list[int]]:
         """One round for ``batch``; returns the new tokens of each sequence that produced any."""
         self.batch_size = len(batch.seqs)
+        self.last_verified: set[int] = set()  # sequences whose tokens this step came from a verification round
         speculating, ks = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if n == 1 and seq.num_computed + 1 == seq.num_tokens:
@@ -143,6 +145,7 @@ class SpeculativeDecoder:
                     self.block_manager.truncate_to(seq.seq_id, seq.num_computed)
                 self.drafter.rollback(seq, seq.num_computed)
                 new_tokens[seq.seq_id] = emitted
+                self.last_verified.add(seq.seq_id)
         return new_tokens
 
     @staticmethod
