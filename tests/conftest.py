@@ -13,3 +13,26 @@ import torch  # noqa: E402
 
 # Two threads on a two-core machine with a busy neighbour run up to 50x slower than one.
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """(target, draft) folders: a tiny random llama and a perturbed copy of it (acceptance strictly in (0, 1))."""
+    from tiny_models import make_tiny_model
+
+    target = str(tmp_path_factory.mktemp("pair_target"))
+    draft = str(tmp_path_factory.mktemp("pair_draft"))
+    make_tiny_model(target, "llama", seed=3)
+    make_tiny_model(draft, "llama", seed=3, perturb_from=target, perturb_scale=0.15)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_plain(tiny_pair):
+    """Plain (target-only) LLM of ``tiny_pair``'s target: the reference for greedy parity."""
+    import specdec
+
+    return specdec.LLM(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256)

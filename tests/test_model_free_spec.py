@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
@@ -10,17 +9,13 @@ from specdec.engine.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target = str(tmp_path_factory.mktemp("mf_target"))
-    draft = str(tmp_path_factory.mktemp("mf_draft"))
-    make_tiny_model(target, "llama", seed=3)
-    make_tiny_model(draft, "llama", seed=3, perturb_from=target, perturb_scale=0.15)
-    return target, draft
+def pair(tiny_pair):
+    return tiny_pair
 
 
 @pytest.fixture(scope="module")
-def plain(pair):
-    return specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256)
+def plain(tiny_pair_plain):
+    return tiny_pair_plain
 
 
 def repetitive_prompts(n, seed=0):

@@ -13,17 +13,13 @@ from specdec import SamplingParams, SpeculativeConfig
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    target = str(tmp_path_factory.mktemp("target"))
-    draft = str(tmp_path_factory.mktemp("draft"))
-    make_tiny_model(target, "llama", seed=3)
-    make_tiny_model(draft, "llama", seed=3, perturb_from=target, perturb_scale=0.15)
-    return target, draft
+def pair(tiny_pair):
+    return tiny_pair
 
 
 @pytest.fixture(scope="module")
-def plain(pair):
-    return specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256)
+def plain(tiny_pair_plain):
+    return tiny_pair_plain
 
 
 def spec_llm(target, draft, k, **kwargs):
