@@ -37,6 +37,7 @@ from collections import Counter
 
 import pytest
 import torch
+from stats_helpers import chi2_isf
 from tiny_models import make_tiny_model
 
 import specdec
@@ -164,19 +165,6 @@ def exact_joint(prefix_logits: dict, cfg: dict, m: int, prompt: list[int] = PROM
 
 
 # --- statistic and bound ---------------------------------------------------------------------------------------
-def chi2_isf(alpha: float, df: int) -> float:
-    """x with P(chi2_df > x) = alpha, by bisection on the regularized upper incomplete gamma function."""
-    a = torch.tensor(df / 2.0, dtype=torch.float64)
-    lo, hi = 0.0, 10.0 * df + 200.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if torch.special.gammaincc(a, torch.tensor(mid / 2, dtype=torch.float64)).item() > alpha:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
 def chi_square_test(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int, int]:
     """(Pearson statistic, bound at ALPHA, degrees of freedom, samples in p = 0 cells); the statistic is inf
     when any sample lies in a cell of exact probability 0."""

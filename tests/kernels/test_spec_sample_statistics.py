@@ -22,6 +22,8 @@ import math
 
 import pytest
 import torch
+from stats_helpers import chi2_isf
+
 from specdec.kernels import spec_sample as spec_sample_module
 from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
 from specdec.kernels.softmax import softmax_with_temperature_reference
@@ -35,19 +37,6 @@ DRAFT_LENGTHS = (0, 1, 2, 3)  # one group of requests per k; k = 0 is a bonus-on
 ALPHA = 1e-6
 MIN_EXPECTED = 20.0
 TEMPERATURE, TOP_K, TOP_P = 0.9, 5, 0.9
-
-
-def chi2_isf(alpha: float, df: int) -> float:
-    """x with P(chi2_df > x) = alpha, by bisection on the regularized upper incomplete gamma function."""
-    a = torch.tensor(df / 2.0, dtype=torch.float64)
-    lo, hi = 0.0, 10.0 * df + 200.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if torch.special.gammaincc(a, torch.tensor(mid / 2, dtype=torch.float64)).item() > alpha:
-            lo = mid
-        else:
-            hi = mid
-    return hi
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
@@ -196,7 +185,8 @@ def test_rounds_both_reject_and_accept_everything(correct_run):
         group = num_drafts == k
         rejected = int((accepted[group] < k).sum())
         all_accepted = int((accepted[group] == k).sum())
-        assert min(rejected, all_accepted) > ROWS_PER_GROUP // 100, f"k={k}: {rejected} rejections, {all_accepted} all-accepted"
+        assert min(rejected, all_accepted) > ROWS_PER_GROUP // 100, (
+            f"k={k}: {rejected} rejections, {all_accepted} all-accepted")
 
 
 def _residual_from_p(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
