@@ -2,10 +2,10 @@
 interpreter), and plain and speculative generation give exactly the reference path's tokens."""
 
 import pytest
+from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig, ops
-from tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ Run with ``-s`` to see the resource table.
 """
 
 from gpu_compile import CompileJob, compile_reports, format_table, make_signature, pointer_args
+
 from specdec.kernels import softmax, top_k_top_p
 
 VOCABS = {"SmolLM2": 49152, "Llama-3.2": 128256, "Qwen2.5": 151936}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 from gpu_compile import compile_reports, format_table, job_from_launch
+
 from specdec.kernels.spec_sample import spec_sample_config
 
 VOCABS = (49152, 128256, 151936)

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+
 from specdec.kernels.softmax import (
     MAX_VOCAB,
     softmax_config,

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specdec.kernels.spec_sample import spec_sample, spec_sample_config, spec_sample_reference
 
 from specdec import ops
+from specdec.kernels.spec_sample import spec_sample, spec_sample_config, spec_sample_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+
 from specdec.kernels.top_k_top_p import (
     MAX_VOCAB,
     top_k_top_p_config,
