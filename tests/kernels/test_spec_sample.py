@@ -38,7 +38,8 @@ def random_batch(num_drafts: list[int], vocab: int, seed: int, device="cpu", gre
     mode = target_logits[is_draft_row].argmax(dim=-1)  # (N,)
     draft_rows = rows[is_draft_row]  # (N,)
     # one-hot and greedy rows draft the target's mode 80% of the time (like a good n-gram / greedy drafter)
-    deterministic = torch.where(torch.rand(total, generator=gen) < 0.8, mode, torch.randint(0, vocab, (total,), generator=gen))
+    noise_tokens = torch.randint(0, vocab, (total,), generator=gen)
+    deterministic = torch.where(torch.rand(total, generator=gen) < 0.8, mode, noise_tokens)
     drafts = torch.where((onehot | greedy)[draft_rows], deterministic, sampled)
     args = {
         "draft_token_ids": drafts,
