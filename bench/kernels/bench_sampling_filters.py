@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
 from specdec.kernels import softmax, top_k_top_p
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"

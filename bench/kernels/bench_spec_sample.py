@@ -27,11 +27,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
+
+from specdec import ops
 from specdec.kernels.softmax import softmax_with_temperature_reference
 from specdec.kernels.spec_sample import spec_sample, spec_sample_reference
 from specdec.kernels.top_k_top_p import top_k_top_p_min_p_reference
-
-from specdec import ops
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
