@@ -20,89 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.kernels.paged_attention_reference import paged_attention_reference
 
-def paged_attention_reference(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    cu_q_lens: torch.Tensor,
-    scale: float,
-    tree_mask: torch.Tensor | None = None,
-    tree_mask_indptr: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Torch reference (and CPU path) of paged attention.
+__all__ = ["paged_attention", "paged_attention_reference", "launch_plan", "attention_configs"]
 
-    Args:
-        q: ``[T, Hq, D]`` queries of all new tokens of all sequences, flattened (fp32/fp16/bf16).
-        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; the new tokens' K/V are already written.
-        block_tables: int32 ``[B, max_blocks]``, physical block ids in logical order.
-        seq_lens: int32 ``[B]`` context length per sequence, new tokens included.
-        cu_q_lens: int32 ``[B+1]`` cumulative new-token counts; sequence b owns q rows
-            ``cu_q_lens[b]:cu_q_lens[b+1]``, which are its last ``q_len`` context positions.
-        scale: softmax scale, usually ``D ** -0.5``.
-        tree_mask: optional bool/uint8 ``[sum(q_len_b ** 2)]``, row-major ``[q_len, q_len]`` per sequence:
-            new token i sees new token j iff ``mask[i, j]``. Without it the new tokens are causal.
-        tree_mask_indptr: int32 ``[B+1]`` offsets of each sequence's mask in ``tree_mask``.
-    Returns:
-        ``[T, Hq, D]`` in q's dtype (computed in fp32).
-    """
-    _, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    seq_lens_l = seq_lens.tolist()
-    cu_l = cu_q_lens.tolist()
-    if tree_mask is None and q.shape[0] == len(seq_lens_l):
-        return _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, max(seq_lens_l), scale)
-    out = torch.empty_like(q)
-    for b, ctx_len in enumerate(seq_lens_l):
-        q_start, q_end = cu_l[b], cu_l[b + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        num_blocks = (ctx_len + block_size - 1) // block_size
-        blocks = block_tables[b, :num_blocks].long()
-        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]  # (ctx, Hkv, D)
-        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:ctx_len]  # (ctx, Hkv, D)
-        visible = None  # decode (q_len 1): the one new token sees the whole context
-        if q_len > 1:
-            prefix = ctx_len - q_len
-            visible = torch.ones(q_len, ctx_len, dtype=torch.bool, device=q.device)  # (q_len, ctx)
-            if tree_mask is not None:
-                m0 = int(tree_mask_indptr[b])
-                visible[:, prefix:] = tree_mask[m0 : m0 + q_len * q_len].view(q_len, q_len).bool()
-            else:
-                visible[:, prefix:] = torch.ones(q_len, q_len, dtype=torch.bool, device=q.device).tril()
-        elif tree_mask is not None:
-            visible = tree_mask[int(tree_mask_indptr[b])].bool().expand(1, ctx_len).clone()
-            visible[:, : ctx_len - 1] = True
-        # (Hq, q_len, D) x (Hkv, ctx, D): GQA maps query head h to KV head h // (Hq / Hkv)
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            q[q_start:q_end].float().transpose(0, 1), keys.float().transpose(0, 1), values.float().transpose(0, 1),
-            attn_mask=visible, scale=scale, enable_gqa=True,
-        )  # (Hq, q_len, D)
-        out[q_start:q_end] = attended.transpose(0, 1).to(q.dtype)
-    return out
-
-
-
-def _decode_batch(q, k_cache, v_cache, block_tables, seq_lens, max_len: int, scale: float) -> torch.Tensor:
-    """Every sequence has exactly one new token: one padded SDPA over the batch instead of a loop (CPU path)."""
-    batch, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = (max_len + block_size - 1) // block_size
-    blocks = block_tables[:, :num_blocks].long()  # (B, nb)
-    used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None].long()
-    blocks = torch.where(used, blocks, 0)  # entries past a sequence's end may hold anything: read block 0, masked
-    keys = k_cache[blocks].view(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # (B, L, Hkv, D)
-    values = v_cache[blocks].view(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # (B, L, Hkv, D)
-    positions = torch.arange(max_len, device=q.device)
-    visible = (positions[None, :] < seq_lens[:, None].long())[:, None, None, :]  # (B, 1, 1, L)
-    attended = torch.nn.functional.scaled_dot_product_attention(
-        q.float()[:, :, None, :], keys.float().transpose(1, 2), values.float().transpose(1, 2),
-        attn_mask=visible, scale=scale, enable_gqa=True,
-    )  # (B, Hq, 1, D)
-    return attended[:, :, 0, :].to(q.dtype)
 
 @triton.jit
 def _attend_tile(

@@ -213,11 +213,28 @@ def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scal
     return out.to(q.dtype)
 
 
+# Beyond CASES: sequences longer than WINDOW_BATCH_MAX_Q new tokens (attended one by one, the prefill path)
+# next to padded windows, and a batch of windows only with ragged lengths.
+REFERENCE_CASES = {
+    "prefill_next_to_windows": ([20, 1, 0, 5, 17], [20, 30, 7, 40, 50], 6, 2, 32, 8),
+    "ragged_windows": ([16, 2, 9, 1], [16, 3, 60, 1], 4, 1, 16, 4),
+}
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["causal", "tree"])
 def test_reference_matches_dense_sdpa(tree):
-    for seed, case in enumerate(CASES.values()):
+    for seed, case in enumerate([*CASES.values(), *REFERENCE_CASES.values()]):
         args = make_batch(*case, torch.float32, "cpu", tree=tree, seed=seed)
         torch.testing.assert_close(paged_attention_reference(*args), dense_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_plan_is_rebuilt_when_metadata_changes_in_place():
+    """The per-forward plan is memoised on the metadata tensors; an in-place edit must invalidate it."""
+    args = list(make_batch([3, 1], [10, 12], 4, 2, 16, 4, torch.float32, "cpu"))
+    first = paged_attention_reference(*args)
+    args[4][1] = 9  # seq_lens, in place: sequence 1 now sees 9 positions
+    torch.testing.assert_close(paged_attention_reference(*args), dense_attention(*args), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(paged_attention_reference(*args)[3], first[3])
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -276,7 +293,7 @@ def test_launcher_rejects_non_tensors_and_bad_splits():
 
 
 def test_reference_batched_decode_path_equals_per_sequence_calls():
-    """The reference's padded one-call path for all-decode batches agrees with one call per sequence."""
+    """The reference's padded one-call path for a batch agrees with one call per sequence."""
     gen = torch.Generator().manual_seed(5)
     num_blocks, block_size, hkv, group, dim = 40, 4, 2, 3, 16
     k_cache = torch.randn(num_blocks, block_size, hkv, dim, generator=gen)

@@ -1,0 +1,197 @@
+"""Torch reference of paged attention: the test oracle of the Triton kernel and the CPU path of the engine.
+
+Same contract as ``paged_attention`` (docs/architecture.md). Sequences whose new-token count is at most
+``WINDOW_BATCH_MAX_Q`` (decodes, verification windows, small tree windows) are attended in one padded SDPA
+call: their queries are padded to ``[n, Hq, Qmax, D]``, their K/V gathered through the block tables to
+``[n, Hkv, Lmax, D]`` and a boolean ``[n, 1, Qmax, Lmax]`` mask encodes context length, causality or the tree.
+Longer ones (prefill chunks) get one SDPA call each, so a prefill never pads a batch of decodes. All inputs are
+4-D so that torch picks its fused CPU flash kernel rather than the math fallback (measured on SmolLM2, 5-token
+windows: the math path with GQA expansion was ~23% of the forward).
+
+The masks and row maps depend only on the batch metadata, which every layer of one forward shares: the last
+plan is memoised on the metadata tensors' identity and version (``Tensor._version`` changes on in-place writes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+WINDOW_BATCH_MAX_Q = 16  # sequences with <= this many new tokens share one padded SDPA call
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    scale: float,
+    tree_mask: torch.Tensor | None = None,
+    tree_mask_indptr: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference (and CPU path) of paged attention.
+
+    Args:
+        q: ``[T, Hq, D]`` queries of all new tokens of all sequences, flattened (fp32/fp16/bf16).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; the new tokens' K/V are already written.
+        block_tables: int32 ``[B, max_blocks]``, physical block ids in logical order.
+        seq_lens: int32 ``[B]`` context length per sequence, new tokens included.
+        cu_q_lens: int32 ``[B+1]`` cumulative new-token counts; sequence b owns q rows
+            ``cu_q_lens[b]:cu_q_lens[b+1]``, which are its last ``q_len`` context positions.
+        scale: softmax scale, usually ``D ** -0.5``.
+        tree_mask: optional bool/uint8 ``[sum(q_len_b ** 2)]``, row-major ``[q_len, q_len]`` per sequence:
+            new token i sees new token j iff ``mask[i, j]``. Without it the new tokens are causal.
+        tree_mask_indptr: int32 ``[B+1]`` offsets of each sequence's mask in ``tree_mask``.
+    Returns:
+        ``[T, Hq, D]`` in q's dtype (computed in fp32).
+    """
+    plan = _plan(block_tables, seq_lens, cu_q_lens, tree_mask, tree_mask_indptr, k_cache.shape[1])
+    out = torch.empty_like(q)
+    if plan.window is not None:
+        _attend_windows(out, q, k_cache, v_cache, plan.window, scale)
+    for seq in plan.long_sequences:
+        _attend_one(out, q, k_cache, v_cache, seq, scale)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class _Windows:
+    """Padded batch of the short sequences (n of them, Qmax queries, Lmax keys)."""
+
+    rows: torch.Tensor | None  # int64 [t] rows of q they own (None: all rows, in order)
+    seq_of_row: torch.Tensor  # int64 [t] index in 0..n-1 of each row's sequence
+    pos_in_seq: torch.Tensor  # int64 [t] index in 0..Qmax-1 of each row within its sequence
+    blocks: torch.Tensor  # int64 [n, nb] physical blocks to gather (block 0 past a sequence's end)
+    max_len: int  # Lmax
+    max_q: int  # Qmax
+    visible: torch.Tensor  # bool [n, 1, Qmax, Lmax]
+
+
+@dataclass
+class _LongSequence:
+    rows: slice  # its q rows
+    slots: torch.Tensor  # int64 [ctx] flat cache slots of its context, in order
+    visible: torch.Tensor  # bool [1, 1, q_len, ctx]
+
+
+@dataclass
+class _Plan:
+    window: _Windows | None
+    long_sequences: list[_LongSequence]
+
+
+_memo: tuple[tuple, tuple, int, _Plan] | None = None  # (tensors, their versions, block_size, plan) of the last call
+
+
+def _plan(block_tables, seq_lens, cu_q_lens, tree_mask, tree_mask_indptr, block_size: int) -> _Plan:
+    global _memo
+    tensors = (block_tables, seq_lens, cu_q_lens, tree_mask, tree_mask_indptr)
+    versions = tuple(None if t is None else t._version for t in tensors)
+    if (_memo is not None and _memo[1] == versions and _memo[2] == block_size
+            and all(a is b for a, b in zip(_memo[0], tensors, strict=True))):
+        return _memo[3]
+    plan = _build_plan(block_tables, seq_lens, cu_q_lens, tree_mask, tree_mask_indptr, block_size)
+    _memo = (tensors, versions, block_size, plan)
+    return plan
+
+
+def _build_plan(block_tables, seq_lens, cu_q_lens, tree_mask, tree_mask_indptr, block_size: int) -> _Plan:
+    device = block_tables.device
+    seq_lens_l = seq_lens.tolist()
+    cu = cu_q_lens.tolist()
+    q_lens = [cu[b + 1] - cu[b] for b in range(len(seq_lens_l))]
+    short = [b for b, n in enumerate(q_lens) if 0 < n <= WINDOW_BATCH_MAX_Q]
+    long = [b for b, n in enumerate(q_lens) if n > WINDOW_BATCH_MAX_Q]
+    window = _window_plan(short, q_lens, cu, seq_lens_l, block_tables, tree_mask, tree_mask_indptr, block_size,
+                          device) if short else None
+    long_sequences = []
+    for b in long:
+        ctx, n = seq_lens_l[b], q_lens[b]
+        num_blocks = -(-ctx // block_size)
+        blocks = block_tables[b, :num_blocks].long()
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:ctx]
+        visible = _causal_or_tree(b, n, ctx, tree_mask, tree_mask_indptr, device)
+        long_sequences.append(_LongSequence(slice(cu[b], cu[b + 1]), slots, visible[None, None]))
+    return _Plan(window, long_sequences)
+
+
+def _window_plan(seqs, q_lens, cu, seq_lens_l, block_tables, tree_mask, tree_mask_indptr, block_size,
+                 device) -> _Windows:
+    n = len(seqs)
+    lens = [seq_lens_l[b] for b in seqs]
+    qls = [q_lens[b] for b in seqs]
+    max_len, max_q = max(lens), max(qls)
+    num_blocks = -(-max_len // block_size)
+    lens_t = torch.tensor(lens, device=device)  # int64 [n]
+    qls_t = torch.tensor(qls, device=device)  # int64 [n]
+    blocks = block_tables[torch.tensor(seqs, device=device), :num_blocks].long()  # [n, nb]
+    used = torch.arange(num_blocks, device=device)[None, :] * block_size < lens_t[:, None]
+    blocks = torch.where(used, blocks, 0)  # entries past a sequence's end may hold anything: read block 0, masked
+    all_rows = len(seqs) == len(q_lens) and all(x > 0 for x in q_lens)
+    rows = None if all_rows else torch.cat([torch.arange(cu[b], cu[b + 1], device=device) for b in seqs])
+    seq_of_row = torch.repeat_interleave(torch.arange(n, device=device), qls_t)  # [t]
+    starts = torch.cumsum(qls_t, 0) - qls_t  # [n]
+    pos_in_seq = torch.arange(int(qls_t.sum()), device=device) - starts[seq_of_row]  # [t]
+    # Query i of sequence j sits at absolute position lens[j] - qls[j] + i; padded rows (i >= qls[j]) see
+    # positions beyond the context, which are discarded - they only keep every softmax row non-empty.
+    query_pos = lens_t[:, None] - qls_t[:, None] + torch.arange(max_q, device=device)[None, :]  # [n, Qmax]
+    visible = torch.arange(max_len, device=device)[None, None, :] <= query_pos[:, :, None]  # [n, Qmax, Lmax]
+    if tree_mask is not None:
+        for j, b in enumerate(seqs):
+            ql, prefix, m0 = qls[j], lens[j] - qls[j], int(tree_mask_indptr[b])
+            visible[j, :ql, prefix : prefix + ql] = tree_mask[m0 : m0 + ql * ql].view(ql, ql).bool()
+    return _Windows(rows, seq_of_row, pos_in_seq, blocks, max_len, max_q, visible[:, None])
+
+
+def _causal_or_tree(b, q_len, ctx, tree_mask, tree_mask_indptr, device) -> torch.Tensor:
+    """bool [q_len, ctx]: which context positions each of sequence b's new tokens sees."""
+    prefix = ctx - q_len
+    visible = torch.ones(q_len, ctx, dtype=torch.bool, device=device)
+    if tree_mask is not None:
+        m0 = int(tree_mask_indptr[b])
+        visible[:, prefix:] = tree_mask[m0 : m0 + q_len * q_len].view(q_len, q_len).bool()
+    else:
+        visible[:, prefix:] = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    return visible
+
+
+# ------------------------------------------------------------------------------------------- attending
+
+
+def _attend_windows(out, q, k_cache, v_cache, w: _Windows, scale: float) -> None:
+    n, (_, num_q_heads, head_dim), num_kv_heads = w.blocks.shape[0], q.shape, k_cache.shape[2]
+    keys = k_cache[w.blocks].view(n, -1, num_kv_heads, head_dim)[:, : w.max_len]  # [n, Lmax, Hkv, D]
+    values = v_cache[w.blocks].view(n, -1, num_kv_heads, head_dim)[:, : w.max_len]  # [n, Lmax, Hkv, D]
+    q_rows = q if w.rows is None else q[w.rows]  # [t, Hq, D]
+    if w.max_q == 1:
+        padded = q_rows.float()[:, None]  # [n, 1, Hq, D]: one row per sequence, nothing to scatter
+    else:
+        padded = q.new_zeros(n, w.max_q, num_q_heads, head_dim, dtype=torch.float32)  # [n, Qmax, Hq, D]
+        padded[w.seq_of_row, w.pos_in_seq] = q_rows.float()
+    attended = scaled_dot_product_attention(
+        padded.transpose(1, 2), keys.float().transpose(1, 2), values.float().transpose(1, 2),
+        attn_mask=w.visible, scale=scale, enable_gqa=True,
+    )  # [n, Hq, Qmax, D]
+    result = attended.transpose(1, 2)[w.seq_of_row, w.pos_in_seq].to(q.dtype)  # [t, Hq, D]
+    if w.rows is None:
+        out.copy_(result)
+    else:
+        out[w.rows] = result
+
+
+def _attend_one(out, q, k_cache, v_cache, seq: _LongSequence, scale: float) -> None:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[seq.slots]  # [ctx, Hkv, D]
+    values = v_cache.view(-1, num_kv_heads, head_dim)[seq.slots]  # [ctx, Hkv, D]
+    attended = scaled_dot_product_attention(
+        q[seq.rows].float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None],
+        values.float().transpose(0, 1)[None], attn_mask=seq.visible, scale=scale, enable_gqa=True,
+    )  # [1, Hq, q_len, D]
+    out[seq.rows] = attended[0].transpose(0, 1).to(q.dtype)
