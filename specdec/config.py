@@ -10,6 +10,7 @@ import torch
 
 from specdec.cache.kv_pool import KVPool
 from specdec.model.config import ModelConfig, resolve_dtype
+from specdec.model.linear import prepack_supported
 from specdec.model.loader import resolve_model_path
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -29,6 +30,7 @@ class EngineConfig:
     num_kv_blocks: int
     seed: int
     eos_token_ids: tuple[int, ...]
+    prepack_weights: bool | None = None
 
     @classmethod
     def create(
@@ -44,12 +46,15 @@ class EngineConfig:
         kv_cache_memory_gb: float = 1.0,
         seed: int = 0,
         lookahead_slots: int = 0,
+        prepack_weights: bool | None = None,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use 'cpu' or 'auto'")
         dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
+        if prepack_weights not in (None, True, False):
+            raise ValueError(f"prepack_weights must be None (where supported), True or False, got {prepack_weights!r}")
         if isinstance(dtype, str):
             resolve_dtype(dtype)  # validate the name before touching the model
         for name, value, low in (("block_size", block_size, 1), ("max_num_seqs", max_num_seqs, 1)):
@@ -58,6 +63,9 @@ class EngineConfig:
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
         torch_dtype = resolve_dtype(dtype, model_config)
+        if prepack_weights and not prepack_supported(torch_dtype, dev):
+            raise ValueError(f"prepack_weights=True needs a CPU float32 model and a torch with oneDNN; got "
+                             f"{torch_dtype} on {dev} (use None for 'where supported', or False)")
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(limit, 8192)
@@ -74,7 +82,7 @@ class EngineConfig:
                              f"{max_model_len}; need at least {min_blocks} blocks of {block_size}")
         budget = max_num_batched_tokens if max_num_batched_tokens is not None else max(2048, max_model_len)
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
-                   num_kv_blocks, seed, eos_ids(path, model_config))
+                   num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights)
 
 
 def eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:

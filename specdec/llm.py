@@ -40,6 +40,7 @@ class LLM:
         kv_cache_memory_gb: float = 1.0,
         seed: int = 0,
         speculative: SpeculativeConfig | None = None,
+        prepack_weights: bool | None = None,
     ):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -48,6 +49,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
             lookahead_slots=speculative.num_speculative_tokens if speculative else 0,
+            prepack_weights=prepack_weights,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call

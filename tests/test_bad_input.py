@@ -74,6 +74,8 @@ def test_one_bad_request_in_a_batch_rejects_the_call_before_anything_runs(llm):
     ({"device": "tpu"}, "device 'tpu' is not supported"),
     ({"max_model_len": 10**6}, "max_model_len must be an integer in"),
     ({"num_kv_blocks": 2}, "cannot hold one sequence"),
+    ({"prepack_weights": "yes"}, "prepack_weights must be None"),
+    ({"prepack_weights": True, "dtype": "bfloat16"}, "prepack_weights=True needs a CPU float32 model"),
 ])
 def test_bad_engine_arguments(model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -30,7 +30,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.device = config.device
         self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
-                                self.model_config)
+                                self.model_config, config.prepack_weights)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype, config.device)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)

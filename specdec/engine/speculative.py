@@ -65,7 +65,8 @@ class SpeculativeDecoder:
         dtype = resolve_dtype(spec.draft_dtype, draft_config) if spec.draft_dtype else config.dtype
         # the draft writes positions up to max_model_len - 1 at most, like the target
         self.draft_max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
-        model = load_model(path, dtype, config.device, self.draft_max_positions + 1, draft_config)
+        model = load_model(path, dtype, config.device, self.draft_max_positions + 1, draft_config,
+                           None if config.prepack_weights else False)  # the draft's dtype may not support it
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         pool = KVPool(draft_config, config.num_kv_blocks, config.block_size, dtype, config.device)
         return DraftModelDrafter(model, draft_config, self.block_manager, pool, config.device,

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.model.config import ModelConfig
+from specdec.model.linear import prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
 
 HUB_FILES = [
@@ -106,9 +107,15 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    path: str, dtype: torch.dtype, device: torch.device, max_positions: int, config: ModelConfig | None = None
+    path: str, dtype: torch.dtype, device: torch.device, max_positions: int, config: ModelConfig | None = None,
+    prepack_weights: bool | None = None,
 ) -> LlamaForCausalLM:
-    """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed)."""
+    """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed).
+
+    ``prepack_weights``: keep a oneDNN-prepacked copy of every linear weight for inputs of 4+ rows (see
+    ``specdec/model/linear.py``). None = where supported (CPU, float32) and free memory allows; True = always
+    (``ValueError`` where unsupported); False = never.
+    """
     config = config or ModelConfig.from_json(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions)
@@ -117,4 +124,10 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(iter_weights(path))
+    if prepack_weights is not False:
+        if prepack_supported(dtype, torch.device(device)):
+            prepack_linears(model, required=prepack_weights is True)
+        elif prepack_weights:
+            raise ValueError(f"prepack_weights=True needs a CPU float32 model and a torch with oneDNN; got {dtype} "
+                             f"on {device} (use None for 'where supported', or False)")
     return model.eval()

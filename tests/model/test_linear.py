@@ -1,0 +1,51 @@
+"""specdec.model.linear: the prepacked path computes what F.linear computes, for every row count."""
+
+import pytest
+import torch
+
+from specdec.model.linear import PREPACK_MIN_ROWS, Linear, prepack_linears, prepack_supported
+
+pytestmark = pytest.mark.skipif(not prepack_supported(torch.float32, torch.device("cpu")),
+                                reason="this torch has no oneDNN prepacked linear")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear_for_1_to_33_rows(bias):
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=bias)
+    layer.prepack()
+    for rows in range(1, 34):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_packed_path_is_taken_from_prepack_min_rows(monkeypatch):
+    layer = Linear(8, 8)
+    layer.prepack()
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, PREPACK_MIN_ROWS - 1, PREPACK_MIN_ROWS, 9):
+        layer(torch.randn(rows, 8))
+    assert calls == [PREPACK_MIN_ROWS, 9]
+
+
+def test_prepack_follows_a_weight_change_only_when_asked():
+    layer = Linear(16, 16, bias=False)
+    layer.prepack()
+    x = torch.randn(8, 16)
+    before = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    torch.testing.assert_close(layer(x), before)  # stale copy: documented, prepack() again after edits
+    layer.prepack()
+    torch.testing.assert_close(layer(x), 2 * before, atol=1e-5, rtol=1e-5)
+    layer.unpack()
+    torch.testing.assert_close(layer(x), 2 * before, atol=1e-5, rtol=1e-5)
+
+
+def test_prepack_linears_counts_bytes_and_covers_every_linear():
+    model = torch.nn.Sequential(Linear(8, 16), torch.nn.ReLU(), Linear(16, 4, bias=False))
+    assert prepack_linears(model, required=True) == (8 * 16 + 16 * 4) * 4
+    assert all(m.packed_weight is not None for m in model if isinstance(m, Linear))
