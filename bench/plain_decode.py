@@ -12,8 +12,8 @@ repetition); medians are reported. Per engine:
 
 The ceiling: a decode step must read every weight once (plus the KV cache of the batch), so with the copy
 bandwidth measured in the same run, tokens/s <= B * bandwidth / (weight bytes + KV bytes). Each engine's decode
-rate is reported as a fraction of it. ``--profile`` adds a torch profiler table of one of our decode runs.
-Results: ``bench/results/plain_decode_<model>_<dtype>_t<threads>.json``.
+rate is reported as a fraction of it. ``--profile`` adds a torch profiler table of one run of each engine.
+Results: ``bench/results/plain_decode_<model>_<dtype>_b<batches>_t<threads>.json``.
 """
 
 from __future__ import annotations
@@ -126,14 +126,13 @@ def parity(ours: list[list[int]], theirs: list[list[int]]) -> dict:
             "first_divergence": min(prefixes)}
 
 
-def profile_ours(llm: specdec.LLM, prompts: list[list[int]], max_tokens: int, rows: int = 15) -> dict:
-    """torch.profiler over one of our generate calls: the top ops by self CPU time, and how much of the wall
-    time the ops account for (the rest is Python: scheduling, metadata, sampling glue)."""
+def profile_run(runner, prompts: list[list[int]], max_tokens: int, rows: int = 15) -> dict:
+    """torch.profiler over one generate call of ``runner``: the top ops by self CPU time, and how much of the wall
+    time the aten ops account for (the rest is Python: scheduling, metadata, per-sequence loops, sampling glue)."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = specdec.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        seconds, _ = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        seconds = runner.run(prompts, max_tokens)["seconds"]
     events = prof.key_averages()
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
     op_us = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::"))
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--prompt-class", default="prose", help="the bench/prompts class to draw prompts from")
     parser.add_argument("--no-transformers", action="store_true", help="time our engine only")
-    parser.add_argument("--profile", action="store_true", help="also profile one of our runs per batch size")
+    parser.add_argument("--profile", action="store_true", help="also profile one run of each engine per batch size")
     args = parser.parse_args(argv)
     if args.max_tokens < 2:
         parser.error("--max-tokens must be >= 2 (the decode rate needs a token after the first)")
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             row["ours_over_transformers"] = (row["ours"]["decode_tokens_per_s"]
                                              / row["transformers"]["decode_tokens_per_s"])
         if args.profile:
-            row["profile_ours"] = profile_ours(llm, prompts, args.max_tokens)
+            row["profile"] = {name: profile_run(runner, prompts, args.max_tokens) for name, runner in runners.items()}
         results.append(row)
         print(f"batch {batch} done", flush=True)
         gc.collect()
@@ -215,13 +214,13 @@ def main(argv: list[str] | None = None) -> int:
             p = row["greedy_parity"]
             print(f"batch {row['batch']}: ours / transformers decode = {row['ours_over_transformers']:.2f}x; greedy "
                   f"tokens identical in {p['identical_sequences']}/{p['sequences']} sequences")
-        if "profile_ours" in row:
-            prof = row["profile_ours"]
-            print(f"batch {row['batch']} profile: aten ops {100 * prof['aten_share_of_wall']:.0f}% of wall; top: "
+        for engine, prof in row.get("profile", {}).items():
+            print(f"batch {row['batch']} {engine} profile: {prof['wall_seconds']:.2f} s, aten ops "
+                  f"{100 * prof['aten_share_of_wall']:.0f}% of it; top: "
                   + ", ".join(f"{op['op']} {100 * op['share_of_wall']:.0f}%" for op in prof["top_ops"][:6]))
 
     name = f"plain_decode_{slug(args.model if '/' not in args.model else path.rstrip('/').split('/')[-1])}"
-    out = write_json(f"{name}_{args.dtype}_t{args.threads}", {
+    out = write_json(f"{name}_{args.dtype}_b{'-'.join(map(str, args.batch))}_t{args.threads}", {
         "meta": {**meta, "model": path, "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
                  "reps": args.reps, "prompt_class": args.prompt_class, "bandwidth": bandwidth,
                  "command": "python -m bench.plain_decode " + " ".join(sys.argv[1:] if argv is None else argv)},
