@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_up([plain_llm, spec_llm], next(iter(ids.values()))[:1])
 
     target_model, config = spec_llm.engine.model, spec_llm.engine.model_config
+    meta["prepacked_linears"] = any(getattr(m, "packed_weight", None) is not None for m in target_model.modules())
     drafter = spec_llm.engine.speculative.drafter
     drafter = getattr(drafter, "draft_model", drafter)  # the combined drafter holds the draft-model drafter
     runner = getattr(drafter, "runner", None)
