@@ -53,7 +53,15 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def _free_memory_bytes() -> int | None:
+def _available_memory_bytes() -> int | None:
+    """MemAvailable (free + reclaimable page cache, e.g. the safetensors just read), else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
@@ -63,14 +71,16 @@ def _free_memory_bytes() -> int | None:
 def prepack_linears(model: nn.Module, required: bool = False) -> int:
     """Prepack every ``Linear`` of ``model``; returns the bytes added (0 when skipped).
 
-    ``required=False`` (the "auto" setting) skips, with a log line, when the copies would take more than half
-    of the free memory; ``required=True`` packs regardless.
+    ``required=False`` (the "auto" setting) skips, with a warning, when the copies would take more than half of
+    the available memory (``MemAvailable``); ``required=True`` packs regardless.
     """
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    free = _free_memory_bytes()
-    if not required and free is not None and 2 * nbytes > free:
-        logger.info("not prepacking linear weights: %.1f GB of copies, %.1f GB free", nbytes / 1e9, free / 1e9)
+    available = _available_memory_bytes()
+    if not required and available is not None and 2 * nbytes > available:
+        logger.warning("not prepacking linear weights (LLM(prepack_weights=None)): the copies would take %.1f GB "
+                       "of %.1f GB available; verification windows will be slower on this CPU",
+                       nbytes / 1e9, available / 1e9)
         return 0
     for m in linears:
         m.prepack()

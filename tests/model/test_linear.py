@@ -49,3 +49,12 @@ def test_prepack_linears_counts_bytes_and_covers_every_linear():
     model = torch.nn.Sequential(Linear(8, 16), torch.nn.ReLU(), Linear(16, 4, bias=False))
     assert prepack_linears(model, required=True) == (8 * 16 + 16 * 4) * 4
     assert all(m.packed_weight is not None for m in model if isinstance(m, Linear))
+
+
+def test_auto_prepack_skips_when_memory_is_short_and_required_does_not(monkeypatch):
+    import specdec.model.linear as linear
+
+    monkeypatch.setattr(linear, "_available_memory_bytes", lambda: 1000)  # bytes: far less than 2 x the copies
+    model = torch.nn.Sequential(Linear(32, 32))
+    assert prepack_linears(model) == 0 and model[0].packed_weight is None
+    assert prepack_linears(model, required=True) == 32 * 32 * 4 and model[0].packed_weight is not None
