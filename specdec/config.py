@@ -10,7 +10,7 @@ import torch
 
 from specdec.cache.kv_pool import KVPool
 from specdec.model.config import ModelConfig, resolve_dtype
-from specdec.model.linear import prepack_supported
+from specdec.model.linear import check_prepack_option
 from specdec.model.loader import resolve_model_path
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -53,8 +53,6 @@ class EngineConfig:
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for, but torch sees no CUDA device; use 'cpu' or 'auto'")
         dev = torch.device("cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu")
-        if prepack_weights not in (None, True, False):
-            raise ValueError(f"prepack_weights must be None (where supported), True or False, got {prepack_weights!r}")
         if isinstance(dtype, str):
             resolve_dtype(dtype)  # validate the name before touching the model
         for name, value, low in (("block_size", block_size, 1), ("max_num_seqs", max_num_seqs, 1)):
@@ -63,9 +61,7 @@ class EngineConfig:
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
         torch_dtype = resolve_dtype(dtype, model_config)
-        if prepack_weights and not prepack_supported(torch_dtype, dev):
-            raise ValueError(f"prepack_weights=True needs a CPU float32 model and a torch with oneDNN; got "
-                             f"{torch_dtype} on {dev} (use None for 'where supported', or False)")
+        check_prepack_option(prepack_weights, torch_dtype, dev)
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(limit, 8192)

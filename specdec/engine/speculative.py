@@ -66,7 +66,7 @@ class SpeculativeDecoder:
         # the draft writes positions up to max_model_len - 1 at most, like the target
         self.draft_max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
         model = load_model(path, dtype, config.device, self.draft_max_positions + 1, draft_config,
-                           None if config.prepack_weights else False)  # the draft's dtype may not support it
+                           False if config.prepack_weights is False else None)  # its dtype may not support it
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
         pool = KVPool(draft_config, config.num_kv_blocks, config.block_size, dtype, config.device)
         return DraftModelDrafter(model, draft_config, self.block_manager, pool, config.device,

@@ -53,6 +53,15 @@ def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def check_prepack_option(prepack_weights: object, dtype: torch.dtype, device: torch.device) -> None:
+    """``ValueError`` unless ``prepack_weights`` is None / False, or True where ``prepack_supported``."""
+    if prepack_weights not in (None, True, False):
+        raise ValueError(f"prepack_weights must be None (where supported), True or False, got {prepack_weights!r}")
+    if prepack_weights and not prepack_supported(dtype, device):
+        raise ValueError(f"prepack_weights=True needs a CPU float32 model and a torch with oneDNN; got {dtype} on "
+                         f"{device} (use None for 'where supported', or False)")
+
+
 def _available_memory_bytes() -> int | None:
     """MemAvailable (free + reclaimable page cache, e.g. the safetensors just read), else free pages."""
     try:

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.model.config import ModelConfig
-from specdec.model.linear import prepack_linears, prepack_supported
+from specdec.model.linear import check_prepack_option, prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
 
 HUB_FILES = [
@@ -116,6 +116,7 @@ def load_model(
     ``specdec/model/linear.py``). None = where supported (CPU, float32) and free memory allows; True = always
     (``ValueError`` where unsupported); False = never.
     """
+    check_prepack_option(prepack_weights, dtype, torch.device(device))
     config = config or ModelConfig.from_json(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions)
@@ -124,10 +125,6 @@ def load_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.load_weights(iter_weights(path))
-    if prepack_weights is not False:
-        if prepack_supported(dtype, torch.device(device)):
-            prepack_linears(model, required=prepack_weights is True)
-        elif prepack_weights:
-            raise ValueError(f"prepack_weights=True needs a CPU float32 model and a torch with oneDNN; got {dtype} "
-                             f"on {device} (use None for 'where supported', or False)")
+    if prepack_weights is not False and prepack_supported(dtype, torch.device(device)):
+        prepack_linears(model, required=prepack_weights is True)
     return model.eval()

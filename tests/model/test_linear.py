@@ -58,3 +58,16 @@ def test_auto_prepack_skips_when_memory_is_short_and_required_does_not(monkeypat
     model = torch.nn.Sequential(Linear(32, 32))
     assert prepack_linears(model) == 0 and model[0].packed_weight is None
     assert prepack_linears(model, required=True) == 32 * 32 * 4 and model[0].packed_weight is not None
+
+
+@pytest.mark.parametrize("setting", [None, False])
+def test_target_and_draft_models_follow_the_engine_setting(tiny_pair, setting):
+    import specdec
+
+    target, draft = tiny_pair
+    llm = specdec.LLM(target, dtype="float32", prepack_weights=setting,
+                      speculative=specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=2))
+    draft_model = llm.engine.speculative.drafter.runner.model
+    for model in (llm.engine.model, draft_model):
+        packed = [m.packed_weight is not None for m in model.modules() if isinstance(m, Linear)]
+        assert packed and all(packed) == (setting is None) and any(packed) == (setting is None)
