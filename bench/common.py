@@ -6,6 +6,7 @@ scratch KV pool, so it times exactly the forward the engine runs, without schedu
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -27,7 +28,8 @@ from specdec.model.llama import LlamaForCausalLM
 
 BENCH_DIR = Path(__file__).resolve().parent
 PROMPTS_DIR = BENCH_DIR / "prompts"
-RESULTS_DIR = BENCH_DIR / "results"
+RESULTS_DIR = BENCH_DIR / "results"  # tracked: the figures docs/benchmarks.md cites (written with --record)
+OUT_DIR = BENCH_DIR / "out"  # git-ignored: where a run writes by default
 PROMPT_CLASSES = ("code", "json", "copy", "prose")
 
 
@@ -200,9 +202,23 @@ def forward_seconds(model: LlamaForCausalLM, config: ModelConfig, batch: int, co
 
 
 # --- output ------------------------------------------------------------------------------------------------
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def results_dir(record: bool = False) -> Path:
+    """Where a benchmark writes its results: ``bench/out/`` (git-ignored) by default, the tracked
+    ``bench/results/`` only when the run is meant to be recorded (``--record``)."""
+    return RESULTS_DIR if record else OUT_DIR
+
+
+def add_record_flag(parser: argparse.ArgumentParser) -> None:
+    """The ``--record`` option every benchmark takes (see ``results_dir``)."""
+    parser.add_argument("--record", action="store_true",
+                        help="write into the tracked bench/results/ (default: the git-ignored bench/out/)")
+
+
+def write_json(name: str, payload: dict, record: bool = False) -> Path:
+    """Write ``<name>.json`` into ``results_dir(record)``; returns its path."""
+    folder = results_dir(record)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

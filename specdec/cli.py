@@ -1,78 +1,197 @@
-"""Command line: ``specdec generate`` and ``specdec convert``."""
+"""Command line: ``specdec generate``, ``specdec demo`` and ``specdec convert`` (also ``python -m specdec``).
+
+The sampling options of ``generate`` take their defaults from the fields of :class:`specdec.SamplingParams`
+(and ``--num-speculative-tokens`` from :class:`specdec.SpeculativeConfig`), so the CLI and the Python API
+always agree. Arguments are validated before any model is loaded: a bad value fails at once with
+``error: ...`` and exit code 2; Ctrl-C exits with 130 and no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
+from pathlib import Path
+
+from specdec import SamplingParams, SpeculativeConfig, __version__
+
+EXIT_USAGE = 2  # bad arguments or input files (argparse's own code)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+# (option, SamplingParams field, type, help). The default comes from the dataclass, never from here.
+SAMPLING_OPTIONS = (
+    ("--max-tokens", "max_tokens", int, "the most tokens to generate"),
+    ("--temperature", "temperature", float, "sampling temperature; 0 = greedy (argmax)"),
+    ("--top-k", "top_k", int, "keep the k most likely tokens; 0 = off"),
+    ("--top-p", "top_p", float, "nucleus sampling: keep the smallest set with this much probability; 1 = off"),
+    ("--min-p", "min_p", float, "drop tokens below min_p times the top token's probability; 0 = off"),
+    ("--repetition-penalty", "repetition_penalty", float,
+     "divide positive / multiply negative logits of tokens already seen (prompt or output); 1 = off"),
+    ("--presence-penalty", "presence_penalty", float,
+     "subtract this from the logits of tokens already generated, in [-2, 2]; 0 = off"),
+    ("--frequency-penalty", "frequency_penalty", float,
+     "subtract this times the count of each token already generated, in [-2, 2]; 0 = off"),
+    ("--seed", "seed", int, "seed of the request's randomness (default: drawn from the engine's seed 0, so a "
+                            "run repeats)"),
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for Llama models")
-    sub = parser.add_subparsers(dest="command", required=True)
+def sampling_defaults() -> dict[str, object]:
+    """``SamplingParams``' field defaults by field name (only fields with a plain default)."""
+    return {f.name: f.default for f in dataclasses.fields(SamplingParams)
+            if f.init and f.default is not dataclasses.MISSING}
 
-    gen = sub.add_parser("generate", help="generate text from a prompt")
+
+def _speculative_default(name: str) -> object:
+    return next(f.default for f in dataclasses.fields(SpeculativeConfig) if f.name == name)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show ``(default: X)`` after every option's help, except where X is None or False (nothing to show)
+    or the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``specdec`` argument parser (every option documented, defaults shown by ``--help``)."""
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for Llama models",
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"specdec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,demo,convert}")
+    _generate_parser(sub.add_parser("generate", help="generate text from a prompt", formatter_class=_HelpFormatter,
+                                    description="Generate text from a prompt; sampling defaults are "
+                                                "specdec.SamplingParams' defaults."))
+    _demo_parser(sub.add_parser("demo", help="plain vs speculative (prompt lookup) decoding on a copy-heavy prompt",
+                                formatter_class=_HelpFormatter,
+                                description="Time the same greedy request plain and with prompt lookup."))
+    _convert_parser(sub.add_parser("convert", help="convert a .gguf file into a Hugging Face-style folder, once",
+                                   formatter_class=_HelpFormatter,
+                                   description="Convert a .gguf file into a Hugging Face-style model folder."))
+    return parser
+
+
+def _generate_parser(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--model", default=None,
                      help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
     gen.add_argument("--device", default="auto", help="cpu | cuda | auto")
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    group = gen.add_argument_group("sampling (defaults: specdec.SamplingParams)")
+    defaults = sampling_defaults()
+    for option, field, kind, text in SAMPLING_OPTIONS:
+        group.add_argument(option, dest=field, type=kind, default=defaults[field], help=text)
+    group.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                       help="stop when the output contains TEXT (not included in the output); repeatable")
+    group.add_argument("--ignore-eos", action="store_true", default=defaults["ignore_eos"],
+                       help="keep generating past the end-of-sequence token, up to --max-tokens")
     _speculative_args(gen)
 
-    demo = sub.add_parser("demo", help="plain vs speculative (prompt lookup) decoding on a copy-heavy prompt")
-    demo.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
-    demo.add_argument("--max-tokens", type=int, default=96)
-    demo.add_argument("--threads", type=int, default=1)
-    demo.add_argument("--dtype", default="float32")
 
-    conv = sub.add_parser("convert", help="convert a .gguf file into a Hugging Face-style folder, once")
-    conv.add_argument("gguf")
-    conv.add_argument("out_dir")
+def _demo_parser(demo: argparse.ArgumentParser) -> None:
+    demo.add_argument("--model", default=None,
+                      help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
+    demo.add_argument("--max-tokens", type=int, default=96, help="tokens generated per run (greedy)")
+    demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    demo.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
+
+
+def _convert_parser(conv: argparse.ArgumentParser) -> None:
+    conv.add_argument("gguf", help="the .gguf file to convert")
+    conv.add_argument("out_dir", help="the folder to write (config.json, model.safetensors, tokenizer.json, ...)")
     conv.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    conv.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists and is not empty")
 
-    args = parser.parse_args(argv)
+
+def _speculative_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--speculative-method", default=None,
+                       help="draft_model | ngram | prompt_lookup | combined (default: plain decoding)")
+    group.add_argument("--draft-model", default=None, help="draft model for draft_model / combined")
+    group.add_argument("--num-speculative-tokens", type=int, default=_speculative_default("num_speculative_tokens"),
+                       help="k, the most tokens drafted per round")
+    group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 2 bad arguments or input, 130 interrupted)."""
+    args = build_parser().parse_args(argv)
+    commands = {"generate": _generate, "demo": _demo, "convert": _convert}
     try:
-        if args.command == "convert":
-            return _convert(args)
-        if args.command == "demo":
-            return _demo(args)
-        return _generate(args)
+        return commands[args.command](args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
-def _convert(args) -> int:
+def _convert(args: argparse.Namespace) -> int:
     from specdec.model.gguf import convert_gguf
 
+    source, out = Path(args.gguf), Path(args.out_dir)
+    if not source.is_file():
+        raise ValueError(f"{source}: no such file (expected a .gguf file to convert)")
+    if out.exists() and not args.overwrite and not _is_empty_dir(out):
+        raise ValueError(f"{out} exists; pass --overwrite to replace it")
     start = time.perf_counter()
-    convert_gguf(args.gguf, args.out_dir, dtype=args.dtype)
-    print(f"wrote {args.out_dir} in {time.perf_counter() - start:.1f} s")
+    try:
+        convert_gguf(source, out, dtype=args.dtype, overwrite=out.exists(), progress=True)
+    except OSError as e:  # unreadable source, unwritable destination, disk full: a message, not a traceback
+        raise ValueError(f"converting {source} to {out} failed: {e}") from e
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     return 0
 
 
-def _generate(args) -> int:
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The request's ``SamplingParams`` from parsed ``generate`` arguments (validated on construction)."""
+    fields = {field: getattr(args, field) for _, field, _, _ in SAMPLING_OPTIONS}
+    return SamplingParams(**fields, stop=args.stop, ignore_eos=args.ignore_eos)
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The ``SpeculativeConfig`` from parsed arguments; None (plain decoding) without --speculative-method."""
+    if args.speculative_method is None:
+        if args.draft_model is not None:
+            raise ValueError("--draft-model needs --speculative-method draft_model or combined")
+        return None
+    return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
+                             num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive)
+
+
+def _model_path(model: str | None) -> str:
+    """``--model`` as given, or the embedded default model (converted once on first use)."""
+    if model is not None:
+        return model
+    from specdec.model.default_model import default_model_path
+
+    try:
+        return default_model_path()
+    except (ModuleNotFoundError, FileNotFoundError) as e:  # the weights package is missing: say how to get it
+        raise ValueError(str(e)) from e
+
+
+def _generate(args: argparse.Namespace) -> int:
     import torch
 
-    import specdec
+    from specdec import LLM
 
+    params = sampling_params(args)  # before the model load: bad values fail in milliseconds
+    speculative = speculative_config(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        from specdec.model.default_model import default_model_path
-
-        model = default_model_path()
-    llm = specdec.LLM(model, dtype=args.dtype, device=args.device, speculative=_speculative_config(args))
-    params = specdec.SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                    max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative)
     prompt = args.prompt
     if args.chat:
         if llm.tokenizer is None:
@@ -83,35 +202,19 @@ def _generate(args) -> int:
         print(delta, end="", flush=True)
     elapsed = time.perf_counter() - start
     print()
-    out = llm.last_stream_output
+    _report(llm.last_stream_output, elapsed, torch.get_num_threads())
+    return 0
+
+
+def _report(out, elapsed: float, threads: int) -> None:
+    """The ``[N tokens in ... s]`` line (and the speculative one) on stderr."""
     n = len(out.outputs[0].token_ids) if out is not None else 0
-    print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, {torch.get_num_threads()} threads, "
+    print(f"[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s, {threads} threads, "
           f"finish_reason={out.outputs[0].finish_reason if out else None}]", file=sys.stderr)
     if out is not None and out.metrics.get("num_rounds"):
         m = out.metrics
         print(f"[speculative: acceptance {m['acceptance_rate']:.2f}, alpha {m['alpha']:.2f}, "
               f"{m['mean_tokens_per_round']:.2f} tokens/round over {m['num_rounds']} rounds]", file=sys.stderr)
-    return 0
-
-
-def _speculative_args(parser) -> None:
-    group = parser.add_argument_group("speculative decoding")
-    group.add_argument("--speculative-method", default=None,
-                       help="draft_model | ngram | prompt_lookup | combined (default: plain decoding)")
-    group.add_argument("--draft-model", default=None, help="draft model for draft_model / combined")
-    group.add_argument("--num-speculative-tokens", type=int, default=4)
-    group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
-
-
-def _speculative_config(args):
-    import specdec
-
-    if args.speculative_method is None:
-        if args.draft_model is not None:
-            raise ValueError("--draft-model needs --speculative-method draft_model or combined")
-        return None
-    return specdec.SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
-                                     num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive)
 
 
 DEMO_PROMPT = (
@@ -135,11 +238,7 @@ def _demo(args) -> int:
     import specdec
 
     torch.set_num_threads(args.threads)
-    model = args.model
-    if model is None:
-        from specdec.model.default_model import default_model_path
-
-        model = default_model_path()
+    model = _model_path(args.model)
     plain = specdec.LLM(model, dtype=args.dtype)
     spec = specdec.LLM(model, dtype=args.dtype, speculative=specdec.SpeculativeConfig(
         method="prompt_lookup", num_speculative_tokens=6, adaptive=True))
