@@ -94,8 +94,8 @@ def ensure_converted(
     if _is_converted(out_dir, sha256, dtype):
         return out_dir
     verify_sha256(gguf_path, sha256)
-    try:
-        convert_gguf(gguf_path, out_dir, dtype, overwrite=out_dir.exists(), source_sha256=sha256)
+    try:  # progress: the one-time conversion says so on stderr (a line, and a bar on a terminal)
+        convert_gguf(gguf_path, out_dir, dtype, overwrite=out_dir.exists(), source_sha256=sha256, progress=True)
     except FileExistsError:
         if not _is_converted(out_dir, sha256, dtype):
             raise

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -88,8 +89,11 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    with path.open("rb") as f:
-        magic = f.read(4)
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except OSError as e:  # e.g. no read permission
+        raise ValueError(f"cannot read GGUF file {path}: {e.strerror or e}") from e
     if magic != _GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (magic {magic!r}, expected {_GGUF_MAGIC!r})")
     try:
@@ -255,19 +259,25 @@ def iter_hf_tensors(
     """Yield `(hf_name, tensor)` one at a time, dequantised, un-permuted and cast to `dtype`.
 
     Memory stays at about one tensor, so a multi-GB checkpoint converts without holding it whole.
-    `progress=None` shows a tqdm bar for files over 256 MiB.
+    `progress`: True shows a tqdm bar over the tensors on stderr, False none, None only for files over
+    256 MiB; the bar hides itself when stderr is not a terminal.
     """
-    total = sum(int(t.n_bytes) for t in reader.tensors)
-    show = progress if progress is not None else total > _PROGRESS_MIN_BYTES
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    with tqdm(total=total, unit="B", unit_scale=True, desc="dequantizing", disable=not show, leave=False) as bar:
-        for tensor in reader.tensors:
+    disable = None if _show_progress(reader, progress) else True  # None: tqdm hides itself off a terminal
+    with tqdm(reader.tensors, unit="tensor", desc="converting", disable=disable, leave=False) as bar:
+        for tensor in bar:
             weight = _dequantize(tensor)
             kind = tensor.name.split(".")[-2]
             if config["model_type"] == "llama" and kind in heads:  # only llama GGUFs are rope-permuted
                 weight = _unpermute_rope(weight, heads[kind])
             yield _hf_name(tensor.name), weight.to(DTYPES[dtype]).contiguous()
-            bar.update(int(tensor.n_bytes))
+
+
+def _show_progress(reader: GGUFReader, progress: bool | None) -> bool:
+    """`progress` as asked; None = only for files whose tensors exceed 256 MiB."""
+    if progress is not None:
+        return progress
+    return sum(int(t.n_bytes) for t in reader.tensors) > _PROGRESS_MIN_BYTES
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -405,12 +415,17 @@ def convert_gguf(
     when complete, so an interrupted convert never leaves a directory that looks finished. Weights go to
     `model.safetensors`, or to shards of at most `max_shard_bytes` plus `model.safetensors.index.json`.
     `source_sha256` (when the caller verified the file) is recorded in `specdec_conversion.json`.
-    Raises `FileExistsError` if `out_dir` exists and `overwrite` is false.
+    `progress=True` announces the conversion on stderr (one line) and shows a bar over the tensors; the
+    default (None) stays quiet except for a bar on files over 256 MiB.
+    Raises `FileNotFoundError` if `path` does not exist, `FileExistsError` if `out_dir` exists (and is not an
+    empty directory) and `overwrite` is false, `ValueError` for a file that is not a supported GGUF.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True to replace it)")
+    if out_dir.exists() and not overwrite and not _is_empty_dir(out_dir):
+        raise FileExistsError(f"{out_dir} already exists and is not empty (pass overwrite=True to replace it)")
     reader, model = _read_header(path, dtype)
+    if progress:
+        print(f"specdec: converting {path} to {out_dir} (once; {len(reader.tensors)} tensors)", file=sys.stderr)
     with _atomic_directory(out_dir) as tmp:
         _write_json(tmp / "config.json", model.config)
         _write_json(tmp / "generation_config.json", model.generation_config)
@@ -420,6 +435,10 @@ def convert_gguf(
         record = {"source": Path(path).name, "source_sha256": source_sha256, "dtype": dtype}
         _write_json(tmp / CONVERSION_RECORD, {**record, "converter_version": CONVERTER_VERSION})
     return out_dir
+
+
+def _is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
 
 
 def read_conversion_record(out_dir: str | os.PathLike) -> dict[str, Any] | None:

@@ -421,6 +421,20 @@ def test_convert_is_atomic(tmp_path, monkeypatch):
     assert not (out / "marker").exists() and sorted(p.name for p in out.parent.iterdir()) == ["tiny"]
 
 
+def test_convert_announces_itself_only_when_asked(tmp_path, capsys):
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    convert_gguf(source, tmp_path / "quiet")
+    assert capsys.readouterr().err == ""  # library use: silent (no bar for a small file, no line)
+    (tmp_path / "empty").mkdir()  # an empty folder is no conversion to protect
+    convert_gguf(source, tmp_path / "empty", progress=True)
+    err = capsys.readouterr().err
+    assert f"specdec: converting {source} to {tmp_path / 'empty'} (once; " in err and " tensors)" in err
+    assert (tmp_path / "empty" / "config.json").is_file()
+    with pytest.raises(FileExistsError, match="already exists and is not empty"):
+        convert_gguf(source, tmp_path / "empty")
+
+
 def test_ensure_converted_verifies_sha256_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "tiny.gguf"
@@ -453,9 +467,16 @@ def test_clear_errors_for_unsupported_files(tmp_path, kwargs, error):
     assert not (tmp_path / "out").exists()
 
 
-def test_clear_errors_for_missing_or_non_gguf_files(tmp_path):
+def test_clear_errors_for_missing_or_non_gguf_files(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_gguf(tmp_path / "absent.gguf")
     (tmp_path / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
     with pytest.raises(ValueError, match="is not a GGUF file"):
+        load_gguf(tmp_path / "model.safetensors")
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")  # chmod 0 does not stop root, so fake it
+
+    monkeypatch.setattr(Path, "open", unreadable)
+    with pytest.raises(ValueError, match="cannot read GGUF file .*: Permission denied"):
         load_gguf(tmp_path / "model.safetensors")
