@@ -1,0 +1,132 @@
+"""Adaptive k: outlier-robust measured costs (warm-up rule, median window) and deterministic exploration."""
+
+from collections import Counter
+
+import pytest
+
+from specdec.engine.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
+
+# true costs at batch 1: a target forward of n tokens takes A + B*n seconds, one draft step C seconds
+A, B, C = 0.010, 0.0002, 0.001
+
+
+def simulate(adaptive_module, decisions=2000, k_cap=4, k4_outliers=(1,), later_outliers=(1000,),
+             draft_outliers=()):
+    """One request, every draft accepted; the cost model is fed the timings of what was chosen, as the engine
+    does (a target forward of k+1 tokens; k-1 timed draft steps: the first draft forward includes catch-up and is
+    not timed). ``k4_outliers``: which measurements of k = 4 (1 = the first) take 100x; ``later_outliers``: which
+    decisions' target timing takes 100x, whatever k; ``draft_outliers``: which draft timings take 100x."""
+    costs = adaptive_module.MeasuredCostModel()
+    ada = adaptive_module.AdaptiveK(k_max=k_cap, cost_model=costs)
+    choices, k4_seen, drafts = [], 0, 0
+    for i in range(decisions):
+        k = ada.choose(0, 1, k_cap)
+        seconds = A + B * (k + 1)
+        if k == 4:
+            k4_seen += 1
+            seconds *= 100 if k4_seen in k4_outliers else 1
+        seconds *= 100 if i in later_outliers else 1
+        costs.observe_target(1, k + 1, seconds)
+        for _ in range(k - 1):
+            drafts += 1
+            costs.observe_draft(1, C * (100 if drafts in draft_outliers else 1))
+        if k:
+            ada.observe(0, drafted=k, accepted=k)
+        choices.append(k)
+    return choices
+
+
+def true_best_k(k_cap=4):
+    c = C / (A + B)
+    return max(range(k_cap + 1), key=lambda k: expected_speedup(1.0, k, c, (A + B * (k + 1)) / (A + B)))
+
+
+@pytest.mark.parametrize("outliers", [
+    {},  # the first k = 4 measurement and decision 1000 take 100x
+    {"k4_outliers": (1, 2, 3), "later_outliers": tuple(range(500, 520))},  # repeated outliers, a noisy burst
+    {"draft_outliers": (2, 3, 4)},  # the first real draft timings too
+], ids=["one_then_one", "burst", "draft"])
+def test_one_outlier_does_not_lock_a_k_out(outliers):
+    import specdec.engine.adaptive as adaptive
+
+    best = true_best_k()
+    assert best == 4
+    last = Counter(simulate(adaptive, **outliers)[-1000:])
+    assert last[best] >= 900, last  # the old EMA model chose k=1 999 times of these 1000 and never 4
+    assert all(last[k] > 0 for k in range(1, 5))  # every k keeps being re-measured
+
+
+def test_median_window_ignores_an_outlier_and_the_warm_up_sample():
+    cm = MeasuredCostModel()
+    for n, t in ((1, 0.010), (3, 0.012)):
+        cm.observe_target(1, n, 5.0)  # warm-up (a JIT compile): discarded
+        for _ in range(4):
+            cm.observe_target(1, n, t)
+        cm.observe_target(1, n, 100 * t)  # one noisy-neighbour outlier among five
+    assert cm.verify_cost(2, 1) == pytest.approx(1.2)
+    # a key seen once is only a warm-up sample: k = 4 (5 tokens) comes from the line, not from the 100 s
+    cm.observe_target(1, 5, 100.0)
+    assert cm.verify_cost(4, 1) == pytest.approx(1.4)
+    # one or two samples past warm-up (lower median: the smaller) do not outvote the line either
+    cm.observe_target(1, 5, 0.5)
+    cm.observe_target(1, 5, 0.014)
+    assert cm.verify_cost(4, 1) == pytest.approx(1.4)
+    cm.observe_draft(1, 9.0)  # warm-up
+    for t in (0.003, 0.003, 0.3, 0.003):
+        cm.observe_draft(1, t)
+    assert cm.draft_cost(1) == pytest.approx(0.3)
+    # the window follows a real change: 8 samples at a new speed replace the old ones
+    for _ in range(8):
+        cm.observe_target(1, 1, 0.020)
+    assert cm.draft_cost(1) == pytest.approx(0.15)  # the draft step, relative to the new decode time
+
+
+def test_warm_up_samples_stand_in_only_while_a_batch_size_has_nothing_else():
+    cm = MeasuredCostModel()
+    assert cm.verify_cost(2, 1) == pytest.approx(1.2)  # prior
+    cm.observe_target(1, 1, 0.010)
+    cm.observe_target(1, 3, 0.014)
+    assert cm.verify_cost(2, 1) == pytest.approx(1.4)  # warm-up samples, nothing better yet
+    cm.observe_target(1, 1, 0.010)  # a real sample: the warm-up ones no longer count
+    assert cm.verify_cost(2, 1) == pytest.approx(1.2)  # one point: no line, the prior again
+    cm.observe_draft(1, 0.004)
+    assert cm.draft_cost(1) == pytest.approx(0.4)
+    cm.observe_draft(1, 0.002)
+    assert cm.draft_cost(1) == pytest.approx(0.2)
+
+
+def _run(costs, decisions, k_cap=4, **kwargs):
+    ada = AdaptiveK(k_max=k_cap, cost_model=costs, **kwargs)
+    return [ada.choose(0, 1, k_cap) for _ in range(decisions)]
+
+
+def test_exploration_visits_every_k_deterministically_and_rarely():
+    costs = FixedCostModel(c=0.0, verify_slope=0.14)  # at the prior alpha 0.5, k = 2 is best
+    assert max(range(5), key=lambda k: expected_speedup(0.5, k, 0.0, 1 + 0.14 * k)) == 2
+    choices = _run(costs, 160)
+    counts = Counter(choices)
+    assert all(counts[k] >= 1 for k in range(1, 5))
+    assert counts[2] >= 0.8 * 160 and counts[2] == 150  # 1 round in 16 explores
+    assert choices == _run(costs, 160)  # no clock, no randomness
+    assert set(_run(costs, 160, explore_every=0)) == {2}
+
+
+def test_short_requests_still_explore():
+    """Exploration is staggered across requests, so requests shorter than 16 decisions explore too."""
+    ada = AdaptiveK(k_max=4, cost_model=FixedCostModel(c=0.0, verify_slope=0.14))
+    choices = []
+    for seq in range(32):
+        choices += [ada.choose(seq, 1, 4) for _ in range(6)]
+        ada.free(seq)
+    counts = Counter(choices)
+    assert all(counts[k] >= 1 for k in range(1, 5)) and counts[2] >= 0.9 * len(choices)
+
+
+def test_speculation_off_with_periodic_probes():
+    # a pricey draft: off, a k = 1 probe every probe_every plain steps, every 4th probe k = 2 (times a draft step)
+    choices = _run(FixedCostModel(c=5.0), 64, probe_every=4)
+    assert [i for i, k in enumerate(choices) if k] == list(range(3, 64, 4))
+    assert [k for k in choices if k] == [1, 1, 1, 2] * 4
+    # a free drafter whose verification does not pay: k = 1 probes only
+    choices = _run(FixedCostModel(c=0.0, verify_slope=2.0), 64, probe_every=4)
+    assert [k for k in choices if k] == [1] * 16 and choices.count(0) == 48
