@@ -181,3 +181,18 @@ def test_bench_results_go_to_bench_out_unless_recorded():
     common.add_record_flag(parser)
     assert common.results_dir(parser.parse_args([]).record).name == "out"
     assert common.results_dir(parser.parse_args(["--record"]).record).name == "results"
+
+
+# --- docs ------------------------------------------------------------------------------------------------------
+
+
+def test_every_metrics_key_is_documented():
+    import re
+    from pathlib import Path
+
+    from specdec.engine.sequence import RequestMetrics
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text(encoding="utf-8")
+    table_keys = {key for row in doc.splitlines() if row.startswith("| `")
+                  for key in re.findall(r"`(\w+)`", row.split("|")[1])}
+    assert set(RequestMetrics().as_dict()) <= table_keys
