@@ -27,9 +27,9 @@ Phase B  (batch 1 only: transformers' assisted generation and prompt lookup supp
          prompt_lookup. Reported as ours / transformers tokens/s.
 
 Batch sizes above 1 cycle the class's prompts to fill the batch and submit them in one ``generate`` call.
-Results: ``bench/results/e2e_<target>[_<draft>]_<method>[_adaptive]_k<k>_b<batches>_T<temp>_t<threads>.json``
+Results: ``bench/out/e2e_<target>[_<draft>]_<method>[_adaptive]_k<k>_b<batches>_T<temp>_t<threads>.json``
 and a ``.png`` of the speedups (if matplotlib is importable: ``pip install matplotlib``, a bench-only
-dependency).
+dependency); with ``--record``, in the tracked ``bench/results/`` instead.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ import torch
 import specdec
 from bench.common import (
     PROMPT_CLASSES,
+    add_record_flag,
     chat_token_ids,
     forward_seconds,
     load_prompts,
@@ -329,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transformers-separate", action="store_true",
                         help="low memory: free our engines before loading transformers and compare with phase A's "
                              "speculative timings (not interleaved)")
+    add_record_flag(parser)
     args = parser.parse_args(argv)
 
     set_threads(args.threads)
@@ -408,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                  "prompts": {cls: [p.name for p in ps] for cls, ps in prompts.items()},
                  "command": "python -m bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv)},
         **results,
-    })
+    }, record=args.record)
     picture = plot(path, results, f"{Path(target_path).name} {args.method}{' adaptive' if args.adaptive else ''} "
                                   f"k={args.k} T={args.temperature:g}, {args.threads} thread(s)")
     print(f"wrote {path}" + (f" and {picture}" if picture else ""))

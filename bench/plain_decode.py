@@ -13,7 +13,8 @@ repetition); medians are reported. Per engine:
 The ceiling: a decode step must read every weight once (plus the KV cache of the batch), so with the copy
 bandwidth measured in the same run, tokens/s <= B * bandwidth / (weight bytes + KV bytes). Each engine's decode
 rate is reported as a fraction of it. ``--profile`` adds a torch profiler table of one run of each engine.
-Results: ``bench/results/plain_decode_<model>_<dtype>_b<batches>_t<threads>.json``.
+Results: ``bench/out/plain_decode_<model>_<dtype>_b<batches>_t<threads>.json`` (``--record``: in the tracked
+``bench/results/``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 import specdec
 from bench.common import (
+    add_record_flag,
     chat_token_ids,
     copy_bandwidth,
     kv_bytes_per_token,
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-class", default="prose", help="the bench/prompts class to draw prompts from")
     parser.add_argument("--no-transformers", action="store_true", help="time our engine only")
     parser.add_argument("--profile", action="store_true", help="also profile one run of each engine per batch size")
+    add_record_flag(parser)
     args = parser.parse_args(argv)
     if args.max_tokens < 2:
         parser.error("--max-tokens must be >= 2 (the decode rate needs a token after the first)")
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                  "reps": args.reps, "prompt_class": args.prompt_class, "bandwidth": bandwidth,
                  "command": "python -m bench.plain_decode " + " ".join(sys.argv[1:] if argv is None else argv)},
         "results": results,
-    })
+    }, record=args.record)
     print(f"wrote {out}")
     return 0
 

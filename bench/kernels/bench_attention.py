@@ -5,8 +5,8 @@
 On CUDA it times the Triton kernel (``triton.testing.do_bench``) and the torch reference (the test oracle, the
 baseline) and reports GB/s = (KV bytes read + q and out bytes) / time, and the % of ``--peak-gbps``.
 Without CUDA it times only the torch reference - the CPU path - on a reduced sweep, so the script runs
-everywhere (the thread count is recorded). Results go to ``bench/results/`` as CSV and JSON, plus a plot
-when matplotlib is importable.
+everywhere (the thread count is recorded). Results go to ``bench/out/`` (``--record``: the tracked
+``bench/results/``) as CSV and JSON, plus a plot when matplotlib is importable.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import time
 
 import torch
 
+from bench.common import add_record_flag, results_dir
 from specdec.kernels.paged_attention import attention_configs, paged_attention, paged_attention_reference
 
 MODELS = {"Llama-3.2-1B": (32, 8, 64), "Llama-3.2-3B": (24, 8, 128)}  # (Hq, Hkv, D)
 BLOCK_SIZE = 16
 # Peak HBM bandwidth per device name fragment (GB/s), used when --peak-gbps is not given.
 PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}
-RESULTS_DIR = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "results"))
 
 
 def sweep(device: str, quick: bool) -> dict[str, list[int]]:
@@ -114,9 +114,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def write(rows: list[dict], args: argparse.Namespace) -> None:
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+    folder = results_dir(args.record)
+    os.makedirs(folder, exist_ok=True)
     device = rows[0]["device"]
-    stem = os.path.join(RESULTS_DIR, f"bench_attention_{device}")
+    stem = os.path.join(folder, f"bench_attention_{device}")
     with open(stem + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -158,6 +159,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
     parser.add_argument("--no-reference", action="store_true", help="on CUDA, skip timing the torch reference")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU timing)")
+    add_record_flag(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

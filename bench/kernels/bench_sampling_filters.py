@@ -7,8 +7,8 @@ On CUDA both implementations are timed with ``triton.testing.do_bench`` and repo
 reads it twice and the filter reads it ~60 times (two ~31-step bisections, mostly from L2), so for the filter
 the figure says how far it is from one streaming pass, not what DRAM delivered. On a machine without CUDA only
 the references (the CPU path of ``specdec.ops``) are timed, over a reduced sweep, with ``torch.get_num_threads()``
-recorded. Results go to ``bench/results/sampling_filters_<device>.{csv,json}`` (and a plot when matplotlib is
-installed).
+recorded. Results go to ``bench/out/sampling_filters_<device>.{csv,json}`` (and a plot when matplotlib is
+installed); with ``--record``, to the tracked ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from bench.common import add_record_flag, results_dir
 from specdec.kernels import softmax, top_k_top_p
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -114,9 +114,10 @@ def _device_tag() -> str:
     return f"cpu_{platform.machine()}"
 
 
-def save(results: list[Result], meta: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"sampling_filters_{_device_tag()}"
+def save(results: list[Result], meta: dict, record: bool = False) -> Path:
+    folder = results_dir(record)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"sampling_filters_{_device_tag()}"
     rows = [dataclasses.asdict(r) for r in results]
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -151,6 +152,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, nargs="+", default=[128256, 151936])
     parser.add_argument("--logits-dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--peak-gbps", type=float, default=None, help="peak DRAM bandwidth, e.g. 3350 for H100 SXM")
+    add_record_flag(parser)
     args = parser.parse_args()
     results = run(args.batch, args.vocab, DTYPES[args.logits_dtype], args.peak_gbps)
     meta = {
@@ -161,7 +163,7 @@ def main() -> None:
         "peak_gbps": args.peak_gbps,
         "timer": "triton.testing.do_bench (median)" if cuda else "time.perf_counter (median)",
     }
-    print(f"wrote {save(results, meta)}.*")
+    print(f"wrote {save(results, meta, args.record)}.*")
 
 
 if __name__ == "__main__":

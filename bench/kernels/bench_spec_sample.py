@@ -10,8 +10,9 @@ Two measurements per (batch, k):
 On CUDA, times come from ``triton.testing.do_bench`` and the kernel's bandwidth is reported as GB/s over the
 bytes it must read (one p row per request, one q row more after a rejection by a draft model, and the
 scalars). On CPU only the references are timed (the interpreter's speed means nothing), on a reduced sweep,
-with the torch thread count recorded. Results go to ``bench/results/spec_sample_<device>.{csv,json}``; a plot
-too if matplotlib is importable. All rows are sampled (greedy rows skip the vocabulary loop: not the worst case).
+with the torch thread count recorded. Results go to ``bench/out/spec_sample_<device>.{csv,json}`` (``--record``:
+the tracked ``bench/results/``); a plot too if matplotlib is importable. All rows are sampled (greedy rows skip
+the vocabulary loop: not the worst case).
 """
 
 from __future__ import annotations
@@ -24,16 +25,15 @@ import platform
 import statistics
 import time
 from functools import partial
-from pathlib import Path
 
 import torch
 
+from bench.common import add_record_flag, results_dir
 from specdec import ops
 from specdec.kernels.softmax import softmax_with_temperature_reference
 from specdec.kernels.spec_sample import spec_sample, spec_sample_reference
 from specdec.kernels.top_k_top_p import top_k_top_p_min_p_reference
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 TEMPERATURE, TOP_K, TOP_P = 0.8, 50, 0.9
 
 
@@ -162,9 +162,10 @@ def run(batches, ks, vocab: int, device: str, reps: int) -> list[dict]:
     return rows
 
 
-def save(rows: list[dict], device: str, meta: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"spec_sample_{device}"
+def save(rows: list[dict], device: str, meta: dict, record: bool = False) -> None:
+    folder = results_dir(record)
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = folder / f"spec_sample_{device}"
     columns = list(dict.fromkeys(key for row in rows for key in row))
     with open(stem.with_suffix(".csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -194,6 +195,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8] if cuda else [1, 4])
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--reps", type=int, default=3, help="CPU repetitions (median); CUDA uses do_bench")
+    add_record_flag(parser)
     opts = parser.parse_args()
     device = "cuda" if cuda else "cpu"
     meta = {
@@ -204,7 +206,7 @@ def main() -> None:
         "sampling": {"temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P},
     }
     print(meta)
-    save(run(opts.batch, opts.k, opts.vocab, device, opts.reps), device, meta)
+    save(run(opts.batch, opts.k, opts.vocab, device, opts.reps), device, meta, opts.record)
 
 
 if __name__ == "__main__":
