@@ -17,8 +17,7 @@ import math
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
+from specdec.kernels._triton import tl, triton
 
 from specdec.kernels.paged_attention_reference import paged_attention_reference
 

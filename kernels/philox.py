@@ -15,8 +15,7 @@ NOTE: the CPU reference computes Philox in numpy uint64 arithmetic (a 32x32-bit 
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
+from specdec.kernels._triton import tl, triton
 
 # Streams: one per kind of draw, so two draws at the same position never share numbers.
 STREAM_SAMPLE = 0  # plain sampling of the next token (target-only decoding)

@@ -8,8 +8,7 @@ All math is fp32 whatever the input dtype; row offsets are int64.
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
+from specdec.kernels._triton import tl, triton
 
 # NOTE: one program owns a whole row, so very long rows would leave the GPU idle for a long time; the largest
 # vocabularies we target (Llama-3 128256, Qwen2.5 151936, Gemma 256000) are far below this bound.
