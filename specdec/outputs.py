@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str  # while streaming: the text safe to show (no partial UTF-8, no possible stop-string prefix)
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
 
 
 @dataclass
@@ -21,3 +21,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)  # definitions in docs/metrics.md
+    error: str | None = None  # why the request failed, when finish_reason is "error"

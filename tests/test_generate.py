@@ -127,12 +127,16 @@ def test_engine_add_step_abort(llm):
     b = engine.add_request(prompt_token_ids=[4, 5, 6, 7], params=GREEDY)
     engine.step()
     engine.step()
-    engine.abort(a)
-    finished = {}
+    aborted = engine.abort(a)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert len(aborted.outputs[0].token_ids) == 2 and engine.abort(a) is None  # a second abort is a no-op
+    finished, reports_of_a = {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            assert out.request_id != a
-            if out.finished:
+            if out.request_id == a:
+                reports_of_a.append(out)
+            elif out.finished:
                 finished[out.request_id] = out
+    assert reports_of_a == [aborted]  # the next step reports the abort once, and nothing after it
     assert b in finished and len(finished[b].outputs[0].token_ids) == 12
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

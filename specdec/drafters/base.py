@@ -21,6 +21,7 @@ class DraftProposal:
     token_ids: list[list[int]]  # per request, its draft tokens (len k_b <= asked k_b; may be 0)
     probs: torch.Tensor | None  # fp32 [sum(k_b), V_target] q of each draft token's position, or None if one-hot
     is_onehot: list[bool]  # per request: deterministic drafts (q is one-hot at the token)
+    draft_forwards: list[int] | None = None  # per request: draft-model forwards it took part in (None = none)
 
 
 class Drafter(Protocol):

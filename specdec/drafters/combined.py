@@ -23,10 +23,12 @@ class CombinedDrafter:
         model = self.draft_model.propose([seqs[i] for i in misses], [num_tokens[i] for i in misses])
         drafts = list(free.token_ids)
         is_onehot = list(free.is_onehot)
+        forwards = [0] * len(drafts)
         from_model: dict[int, int] = {}
         for j, i in enumerate(misses):
             drafts[i] = model.token_ids[j]
             is_onehot[i] = model.is_onehot[j]
+            forwards[i] = model.draft_forwards[j] if model.draft_forwards else 0
             from_model[i] = j
         probs = None
         if model.probs is not None:
@@ -42,7 +44,7 @@ class CombinedDrafter:
                 if j is not None and not is_onehot[i]:
                     probs[row : row + len(d)] = model.probs[model_offsets[j] : model_offsets[j + 1]]
                 row += len(d)
-        return DraftProposal(drafts, probs, is_onehot)
+        return DraftProposal(drafts, probs, is_onehot, forwards)
 
     def rollback(self, seq: Sequence, kv_len: int) -> None:
         self.lookup.rollback(seq, kv_len)

@@ -5,6 +5,11 @@ scheduler reserves both). Its cache is filled lazily and caught up in one ragged
 draft step: whatever tokens it lacks (the prompt on first use; the last draft and the bonus token after an
 all-accepted round; tokens from plain steps) are fed before it drafts. Invariant when drafting starts: the
 draft's KV covers exactly the tokens the target's covers, plus the catch-up it is fed in that same forward.
+
+A draft vocabulary smaller than the target's (Qwen2.5-7B+ targets have 152064 ids, their 0.5B-3B drafts 151936):
+the draft never sees an id it does not have. Such ids in the context are fed to it as ``UNKNOWN_ID_STANDIN``
+and left out of its penalty context; its q is zero on them, so it never proposes them, and verification (which
+uses exactly that q) stays lossless - the target still emits them through the residual or bonus token.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
 from specdec.sampling.sampler import sample_rows
 
+UNKNOWN_ID_STANDIN = 0  # what the draft is fed in place of a target id beyond its vocabulary
+
 
 class DraftModelDrafter:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, block_manager: BlockManager, pool: KVPool,
@@ -31,6 +38,7 @@ class DraftModelDrafter:
         self.block_manager = block_manager
         self.runner = ModelRunner(model, pool, block_manager, device)
         self.target_vocab_size = target_vocab_size
+        self.vocab_size = config.vocab_size  # <= target_vocab_size (drafters/compat.py)
         self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
         self.on_forward = None  # optional callback (batch_size, seconds) per draft forward, for the cost model
 
@@ -43,7 +51,7 @@ class DraftModelDrafter:
         for i in active:
             seq = seqs[i]
             have = self.kv_len.get(seq.seq_id, 0)
-            items.append(ForwardItem(seq.seq_id, seq.all_token_ids[have:], have, 1))
+            items.append(ForwardItem(seq.seq_id, self._in_vocab(seq.all_token_ids[have:]), have, 1))
         step = 0
         while items:
             start = time.perf_counter()
@@ -53,7 +61,6 @@ class DraftModelDrafter:
                     torch.cuda.synchronize()
                 self.on_forward(len(items), time.perf_counter() - start)
             for i in active:
-                seqs[i].metrics.draft_forwards += 1
                 self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
             tokens, probs = self._sample(logits, [seqs[i] for i in active], [drafts[i] for i in active])
             for row, i in enumerate(active):
@@ -74,7 +81,14 @@ class DraftModelDrafter:
                     if q is not None and not is_onehot[i]:
                         probs[r, : q.shape[0]] = q  # a smaller draft vocab is zero-padded
                     r += 1
-        return DraftProposal(drafts, probs, is_onehot)
+        # request i took part in one draft forward per draft token (the first includes its catch-up)
+        return DraftProposal(drafts, probs, is_onehot, [len(d) for d in drafts])
+
+    def _in_vocab(self, ids: list[int]) -> list[int]:
+        """``ids`` as the draft may see them: ids beyond its vocabulary replaced by ``UNKNOWN_ID_STANDIN``."""
+        if self.vocab_size >= self.target_vocab_size:
+            return ids
+        return [t if t < self.vocab_size else UNKNOWN_ID_STANDIN for t in ids]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]):
         """Draw the next draft token of each row from q, the standardized draft distribution (same transform and
@@ -84,10 +98,16 @@ class DraftModelDrafter:
             [s.params for s in seqs],
             [s.seed for s in seqs],
             [s.num_tokens + len(d) for s, d in zip(seqs, drafts)],
-            [s.prompt_token_ids for s in seqs],
-            [s.output_token_ids + d for s, d in zip(seqs, drafts)],
+            [self._known(s.prompt_token_ids) for s in seqs],
+            [self._known(s.output_token_ids) + d for s, d in zip(seqs, drafts)],
             STREAM_DRAFT,
         )
+
+    def _known(self, ids: list[int]) -> list[int]:
+        """``ids`` without those beyond the draft's vocabulary (they have no logit to penalise)."""
+        if self.vocab_size >= self.target_vocab_size:
+            return ids
+        return [t for t in ids if t < self.vocab_size]
 
     def rollback(self, seq: Sequence, kv_len: int) -> None:
         if seq.seq_id in self.kv_len:

@@ -11,10 +11,10 @@ from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.detokenizer import append_text, finalize_text
 from specdec.engine.model_runner import ModelRunner
-from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
 from specdec.engine.sequence import Sequence, Status
 from specdec.engine.speculative import SpeculativeDecoder
+from specdec.engine.step import RequestUpdate, compute_step, undo_step
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_model
 from specdec.model.tokenizer import Tokenizer
@@ -46,6 +46,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step()
+        self._num_failed = 0
 
     # --- requests ------------------------------------------------------------------------------------------
     def validate_request(
@@ -100,69 +102,119 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def abort(self, request_id: str) -> None:
-        """Drop a request and free its blocks (unknown or finished ids are ignored)."""
-        seq = self._requests.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            seq.status = Status.FINISHED
-            seq.finish_reason = "abort"
-            self.scheduler.finish(seq)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its blocks in every pool. Returns its final output (``finish_reason ==
+        "abort"``), which the next ``step()`` also reports; None for unknown or finished ids."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self._finish(seq, "abort")
+        out = self._output(seq)
+        self._pending.append(out)
+        return out
 
     @property
     def stats(self) -> dict:
-        """Engine-wide counters (speculative rollbacks)."""
-        return dict(self.speculative.stats) if self.speculative else {}
+        """Engine-wide counters (speculative rollbacks, requests failed)."""
+        return {**(self.speculative.stats if self.speculative else {}), "failed_requests": self._num_failed}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- the step ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward; outputs for every request that advanced (cumulative, vLLM-style)."""
+        """Run one scheduled step; outputs for every request that advanced or ended (cumulative, vLLM-style).
+
+        Never raises for a request's failure: a request whose part of the step fails ends with
+        ``finish_reason == "error"`` (its message in ``RequestOutput.error``), its blocks freed in every pool,
+        and the other requests go on as if it had never been there (docs/architecture.md, "Failure isolation").
+        """
+        outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
-        if self.speculative is None:
-            return self._process(batch.seqs, self._plain_step(batch), verified=set())
-        new_tokens = self.speculative.step(batch, self.runner, self.block_manager)
-        return self._process(batch.seqs, new_tokens, verified=self.speculative.last_verified)
-
-    def _plain_step(self, batch: ScheduledBatch) -> dict[int, list[int]]:
-        items = [plain_item(seq, n) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-        logits = self.runner.forward(items)  # (sequences that complete, V)
-        sampling = [seq for seq, item in zip(batch.seqs, items) if item.num_logits]
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed += n
-            seq.metrics.target_forwards += 1
-        return sample_plain(logits, sampling)
-
-    def _process(
-        self, seqs: list[Sequence], new_tokens: dict[int, list[int]], verified: set[int]
-    ) -> list[RequestOutput]:
-        """Append accepted tokens, check stop conditions token by token, free finished requests.
-
-        ``verified``: ids of the sequences whose tokens came from a verification round (for tau)."""
-        outputs = []
-        now = time.perf_counter()
-        for seq in seqs:
-            tokens = new_tokens.get(seq.seq_id)
-            if not tokens:
-                continue
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            before = len(seq.output_token_ids)
-            for token in tokens:
-                seq.output_token_ids.append(token)
-                stopped_by_string = self.tokenizer is not None and append_text(seq, self.tokenizer)
-                reason = self._finish_reason(seq, token, stopped_by_string)
-                if reason is not None:
-                    self._finish(seq, reason, stopped_by_string)
-                    break
-            if seq.seq_id in verified:  # tau counts what a round emitted after stop truncation
-                seq.metrics.num_round_tokens += len(seq.output_token_ids) - before
-            seq.metrics.num_generated_tokens = len(seq.output_token_ids)
-            outputs.append(self._output(seq))
+            return outputs + self._fail_unschedulable()
+        updates, failures = self._compute_isolated(batch)
+        for seq in batch.seqs:
+            if seq.seq_id in failures:
+                outputs.append(self._fail(seq, failures[seq.seq_id]))
+            elif seq.seq_id in updates:
+                out = self._commit(updates[seq.seq_id])
+                if out is not None:
+                    outputs.append(out)
         return outputs
+
+    def _compute_isolated(self, batch: ScheduledBatch) -> tuple[dict[int, RequestUpdate], dict[int, str]]:
+        """(updates, failures) by seq id. A step that raises changed no request (engine/step.py); it is split in
+        halves and retried until every failure is pinned on the single requests it belongs to, so the others
+        get exactly the tokens an unfaulted step gives them (randomness depends on (seed, position) only)."""
+        try:
+            updates = compute_step(batch, self.runner, self.speculative)
+            return {u.seq.seq_id: u for u in updates}, {}
+        except Exception as e:  # noqa: BLE001 - any failure is pinned on its requests, never on the engine
+            undo_step(batch.seqs, self.speculative)
+            if len(batch) == 1:
+                return {}, {batch.seqs[0].seq_id: f"{type(e).__name__}: {e}"}
+            half = len(batch) // 2
+            updates, failures = self._compute_isolated(
+                ScheduledBatch(batch.seqs[:half], batch.num_new_tokens[:half]))
+            more_updates, more_failures = self._compute_isolated(
+                ScheduledBatch(batch.seqs[half:], batch.num_new_tokens[half:]))
+            return {**updates, **more_updates}, {**failures, **more_failures}
+
+    def _commit(self, update: RequestUpdate) -> RequestOutput | None:
+        """Apply one request's update; a failure here ends that request only."""
+        seq = update.seq
+        try:
+            seq.num_computed = update.num_computed
+            m = seq.metrics
+            m.target_forwards += 1
+            m.draft_forwards += update.draft_forwards
+            if update.k_granted is not None:
+                m.k_per_step.append(update.k_granted)
+            if update.verified:
+                self.speculative.commit_round(seq, update.drafted, update.accepted, self.block_manager)
+            return self._process(seq, update.new_tokens, update.verified)
+        except Exception as e:  # noqa: BLE001
+            return self._fail(seq, f"{type(e).__name__}: {e}")
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        """End ``seq`` with ``finish_reason == "error"``, freeing its blocks in every pool."""
+        seq.error = message
+        self._num_failed += 1
+        self._finish(seq, "error")
+        return self._output(seq)
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing could be scheduled although requests are unfinished: no later step would change that, so
+        end them with an error that says why instead of returning nothing forever."""
+        stuck = list(self.scheduler.running) + list(self.scheduler.waiting)
+        free = self.block_manager.num_free_blocks
+        return [
+            self._fail(seq, f"the scheduler could not make progress on this request (status {seq.status.value}, "
+                            f"{seq.num_computed}/{seq.num_tokens} tokens computed, {free} free KV blocks)")
+            for seq in stuck
+        ]
+
+    def _process(self, seq: Sequence, tokens: list[int], verified: bool) -> RequestOutput | None:
+        """Append a step's tokens one by one, check stop conditions after each (EOS, stop ids, stop strings,
+        max_tokens), detokenise, and finish the request if one holds. None if the step emitted nothing."""
+        if not tokens:
+            return None
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = time.perf_counter()
+        before = len(seq.output_token_ids)
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            stopped_by_string = self.tokenizer is not None and append_text(seq, self.tokenizer)
+            reason = self._finish_reason(seq, token, stopped_by_string)
+            if reason is not None:
+                self._finish(seq, reason, stopped_by_string)
+                break
+        if verified:  # tau counts what a round emitted after stop truncation
+            m.num_round_tokens += len(seq.output_token_ids) - before
+        m.num_generated_tokens = len(seq.output_token_ids)
+        return self._output(seq)
 
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:
         if stopped_by_string or token in seq.eos_token_ids or token in seq.params.stop_token_ids:
@@ -171,14 +223,17 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str, stopped_by_string: bool) -> None:
+    def _finish(self, seq: Sequence, reason: str, stopped_by_string: bool = False) -> None:
+        """Retire ``seq``: free its blocks in every pool (always, even if finalising its text fails)."""
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         seq.metrics.finished_time = time.perf_counter()
-        if self.tokenizer is not None:
-            finalize_text(seq, self.tokenizer, stopped_by_string)
-        self.scheduler.finish(seq)
         self._requests.pop(seq.request_id, None)
+        try:
+            self.scheduler.finish(seq)
+        finally:
+            if self.tokenizer is not None and reason != "error":
+                finalize_text(seq, self.tokenizer, stopped_by_string)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text = seq.output_text[: seq.stable_text_len]
@@ -189,4 +244,5 @@ class LLMEngine:
             outputs=[CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)],
             finished=seq.is_finished,
             metrics=seq.metrics.as_dict(),
+            error=seq.error,
         )

@@ -95,6 +95,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose K/V are in the target cache
     lookahead: int = 0  # extra slots the scheduler granted this step (= speculation length k)
     finish_reason: str | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # detokenisation state (engine/detokenizer.py)
     output_text: str = ""
@@ -105,6 +106,10 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_tokens(self) -> int:

@@ -1,27 +1,27 @@
-"""The speculative step: draft -> one ragged target forward -> verify -> rollback, for every running request.
+"""The speculative half of a step: drafting, verification and the commit of a round (rollback, metrics).
 
-Requests that do not speculate this step (prefill chunks, ``k_eff <= 0``, a model-free drafter with no match)
-ride in the same target forward as plain rows, with no verification overhead. Stop conditions are checked
-afterwards, on accepted tokens only (engine._process).
+``engine/step.py`` runs the step: requests that do not speculate (prefill chunks, ``k_eff <= 0``, a model-free
+drafter with no match) ride in the same target forward as plain rows, with no verification overhead. Stop
+conditions are checked at commit, on accepted tokens only (``LLMEngine._process``).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
+from specdec.drafters.base import DraftProposal
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.compat import check_draft_compatible
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine.adaptive import AdaptiveK, MeasuredCostModel
-from specdec.engine.model_runner import ForwardItem, ModelRunner
-from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
 from specdec.model.config import ModelConfig, resolve_dtype
@@ -51,9 +51,8 @@ class SpeculativeDecoder:
             self.drafter = lookup
         self.cost_model = spec.cost_model or MeasuredCostModel(is_model_free=not spec.uses_draft_model)
         self.adaptive = AdaptiveK(self.k, self.cost_model) if spec.adaptive else None
-        if model_drafter is not None:
+        if model_drafter is not None and self.adaptive is not None:  # draft timings feed adaptive k only
             model_drafter.on_forward = self.cost_model.observe_draft
-        self.last_verified: set[int] = set()
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
 
     def _load_draft_model(self, tokenizer: Tokenizer | None) -> DraftModelDrafter:
@@ -89,65 +88,57 @@ class SpeculativeDecoder:
         if self.adaptive is not None and seq.is_finished:
             self.adaptive.free(seq.seq_id)
 
-    def step(self, batch: ScheduledBatch, runner: ModelRunner,
-             target_block_manager: BlockManager) -> dict[int, list[int]]:
-        """One round for ``batch``; returns the new tokens of each sequence that produced any."""
+    # --- one round, computed without touching any request (engine/step.py) ------------------------------
+    def draft(self, batch: ScheduledBatch) -> Drafts:
+        """Drafts for the decoding requests of ``batch`` that were granted a lookahead (k_eff > 0)."""
         self.batch_size = len(batch.seqs)
-        self.last_verified: set[int] = set()  # sequences whose tokens this step came from a verification round
-        speculating, ks = [], []
+        speculating, ks, k_granted = [], [], {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if n == 1 and seq.num_computed + 1 == seq.num_tokens:
-                seq.metrics.k_per_step.append(seq.lookahead)
+            if n == 1 and seq.num_computed + 1 == seq.num_tokens:  # a decode step (not a prefill chunk)
+                k_granted[seq.seq_id] = seq.lookahead
                 if seq.lookahead > 0:
                     speculating.append(seq)
                     ks.append(seq.lookahead)
-        proposal = self.drafter.propose(speculating, ks) if speculating else None
+        if not speculating:
+            return Drafts([], {}, None, k_granted, {})
+        proposal = self.drafter.propose(speculating, ks)
         # requests the drafter had nothing for take a plain step
-        drafts = {seq.seq_id: d for seq, d in zip(speculating, proposal.token_ids) if d} if proposal else {}
-        # One ragged target forward: [last, d1..dk] for speculating rows, chunks/decodes for the others.
-        items, plain = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.seq_id in drafts:
-                d = drafts[seq.seq_id]
-                items.append(ForwardItem(seq.seq_id, [seq.all_token_ids[-1]] + d, seq.num_computed, len(d) + 1))
-            else:
-                items.append(plain_item(seq, n))
-                if items[-1].num_logits:
-                    plain.append(seq)
-        start = time.perf_counter()
-        logits = runner.forward(items)  # (sum of num_logits, V)
+        keep = [i for i, d in enumerate(proposal.token_ids) if d]
+        seqs = [speculating[i] for i in keep]
+        forwards = proposal.draft_forwards or [0] * len(speculating)
+        return Drafts(
+            seqs, {speculating[i].seq_id: proposal.token_ids[i] for i in keep}, _select(proposal, keep),
+            k_granted, {s.seq_id: f for s, f in zip(speculating, forwards)},
+        )
+
+    def observe_target(self, logits: torch.Tensor, batch_size: int, num_tokens: int, start: float) -> None:
+        """Time the target forward for the cost model - only when adaptive k uses it (a sync on CUDA)."""
+        if self.adaptive is None:
+            return
         if logits.is_cuda:
             torch.cuda.synchronize()
-        self.cost_model.observe_target(len(items), sum(len(it.token_ids) for it in items),
-                                       time.perf_counter() - start)
-        new_tokens: dict[int, list[int]] = {}
-        spec_rows, plain_rows, row = [], [], 0
-        for item, seq in zip(items, batch.seqs):
-            rows = list(range(row, row + item.num_logits))
-            (spec_rows if seq.seq_id in drafts else plain_rows).extend(rows)
-            row += item.num_logits
-            seq.metrics.target_forwards += 1
-        new_tokens.update(sample_plain(logits[plain_rows], plain))
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            if seq.seq_id not in drafts:
-                seq.num_computed += n
-        if drafts:
-            spec_seqs = [s for s in speculating if s.seq_id in drafts]
-            spec_drafts = [drafts[s.seq_id] for s in spec_seqs]
-            result = verify(logits[spec_rows], spec_seqs, _select(proposal, speculating, drafts))
-            for seq, d, emitted, accepted in zip(spec_seqs, spec_drafts, result.emitted, result.num_accepted):
-                self._record(seq, len(d), accepted)
-                if self.adaptive is not None:
-                    self.adaptive.observe(seq.seq_id, len(d), accepted)
-                # Rollback: keep K/V of the last token and the accepted drafts; free blocks beyond, in both pools.
-                seq.num_computed += 1 + accepted
-                self.stats["rollback_freed_blocks"] += target_block_manager.truncate_to(seq.seq_id, seq.num_computed)
-                if self.block_manager is not None:
-                    self.block_manager.truncate_to(seq.seq_id, seq.num_computed)
-                self.drafter.rollback(seq, seq.num_computed)
-                new_tokens[seq.seq_id] = emitted
-                self.last_verified.add(seq.seq_id)
-        return new_tokens
+        self.cost_model.observe_target(batch_size, num_tokens, time.perf_counter() - start)
+
+    def verify(self, logits: torch.Tensor, drafts: Drafts) -> dict[int, tuple[list[int], int]]:
+        """seq id -> (emitted tokens, accepted drafts) for every request in ``drafts.seqs``.
+
+        Args:
+            logits: fp32 ``[sum(k_b + 1), V]``, the target rows of the verification windows in ``drafts.seqs`` order.
+        """
+        result = verify(logits, drafts.seqs, drafts.proposal)
+        return {s.seq_id: (e, a) for s, e, a in zip(drafts.seqs, result.emitted, result.num_accepted)}
+
+    def commit_round(self, seq: Sequence, drafted: int, accepted: int, target_block_manager: BlockManager) -> None:
+        """Apply a verified round to the state outside the request: metrics, adaptive k, and the rollback -
+        keep K/V of the last token and the accepted drafts (``seq.num_computed``, already committed), free
+        whole blocks beyond it in both pools, and drop draft state beyond it."""
+        self._record(seq, drafted, accepted)
+        if self.adaptive is not None:
+            self.adaptive.observe(seq.seq_id, drafted, accepted)
+        self.stats["rollback_freed_blocks"] += target_block_manager.truncate_to(seq.seq_id, seq.num_computed)
+        if self.block_manager is not None:
+            self.block_manager.truncate_to(seq.seq_id, seq.num_computed)
+        self.drafter.rollback(seq, seq.num_computed)
 
     @staticmethod
     def _record(seq: Sequence, drafted: int, accepted: int) -> None:
@@ -165,11 +156,20 @@ class SpeculativeDecoder:
             m.accepted_per_position[i] += i < accepted
 
 
-def _select(proposal, seqs: list[Sequence], drafts: dict[int, list[int]]):
-    """The proposal restricted to the requests that drafted at least one token (q rows of the others are empty)."""
-    from specdec.drafters.base import DraftProposal
-
-    keep = [i for i, s in enumerate(seqs) if s.seq_id in drafts]
-    if len(keep) == len(seqs):
+def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
+    """The proposal restricted to requests ``keep`` (those that drafted at least one token; the q rows of the
+    others are empty, so ``probs`` needs no slicing)."""
+    if len(keep) == len(proposal.token_ids):
         return proposal
     return DraftProposal([proposal.token_ids[i] for i in keep], proposal.probs, [proposal.is_onehot[i] for i in keep])
+
+
+@dataclass
+class Drafts:
+    """The drafting half of a round."""
+
+    seqs: list[Sequence]  # requests that drafted at least one token, in batch order
+    token_ids: dict[int, list[int]]  # seq id -> its drafts
+    proposal: DraftProposal | None  # restricted to ``seqs``
+    k_granted: dict[int, int]  # seq id -> lookahead granted, for every decode step of the batch
+    draft_forwards: dict[int, int]  # seq id -> draft-model forwards it took part in

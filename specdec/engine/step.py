@@ -1,0 +1,89 @@
+"""One engine step, computed without changing any request: (draft) -> one ragged target forward -> sample / verify.
+
+This is the one code path of a step, plain or speculative: a plain engine is a speculative one whose requests
+never draft. ``compute_step`` returns a :class:`RequestUpdate` per request and mutates no ``Sequence`` (the draft
+model's cache is written, but the drafter's view of it is undone by ``undo_step``), so a step that raises can be
+retried on a smaller batch or dropped: ``LLMEngine`` applies the updates in its commit phase, request by
+request. That split is what failure isolation rests on (docs/architecture.md, "Failure isolation").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from specdec.engine.model_runner import ForwardItem, ModelRunner
+from specdec.engine.plain_step import plain_item, sample_plain
+from specdec.engine.scheduler import ScheduledBatch
+from specdec.engine.sequence import Sequence
+
+
+@dataclass
+class RequestUpdate:
+    """What one step computed for one request; applied by ``LLMEngine`` at commit, never before."""
+
+    seq: Sequence
+    num_computed: int  # target KV length the request keeps after the step (rollback included)
+    new_tokens: list[int]  # a sampled token, or the accepted drafts + correction/bonus; [] for a mid-prompt chunk
+    k_granted: int | None = None  # speculation length granted at a decode step (metrics.k_per_step), else None
+    drafted: int = 0
+    accepted: int = 0
+    verified: bool = False  # the tokens came from a verification round
+    draft_forwards: int = 0
+
+
+def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None) -> list[RequestUpdate]:
+    """The updates of every request of ``batch``, in batch order.
+
+    Args:
+        spec: the ``SpeculativeDecoder``, or None for plain decoding.
+    """
+    drafts = spec.draft(batch) if spec is not None else None
+    items: list[ForwardItem] = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        d = drafts.token_ids.get(seq.seq_id) if drafts else None
+        if d:  # a verification window: the last token, then the drafts
+            items.append(ForwardItem(seq.seq_id, [seq.last_token_id] + d, seq.num_computed, len(d) + 1))
+        else:
+            items.append(plain_item(seq, n))
+    start = time.perf_counter()
+    logits = runner.forward(items)  # (sum of num_logits, V) fp32
+    if spec is not None:
+        spec.observe_target(logits, len(items), sum(len(it.token_ids) for it in items), start)
+
+    spec_rows: list[int] = []
+    plain_rows: list[int] = []
+    plain_seqs: list[Sequence] = []
+    row = 0
+    for item, seq in zip(items, batch.seqs):
+        rows = range(row, row + item.num_logits)
+        if drafts and seq.seq_id in drafts.token_ids:
+            spec_rows.extend(rows)
+        elif item.num_logits:
+            plain_rows.extend(rows)
+            plain_seqs.append(seq)
+        row += item.num_logits
+    sampled = sample_plain(logits[plain_rows], plain_seqs)
+    verified = spec.verify(logits[spec_rows], drafts) if drafts and drafts.seqs else {}
+
+    updates = []
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        k_granted = drafts.k_granted.get(seq.seq_id) if drafts else None
+        forwards = drafts.draft_forwards.get(seq.seq_id, 0) if drafts else 0
+        if seq.seq_id in verified:
+            emitted, accepted = verified[seq.seq_id]
+            drafted = len(drafts.token_ids[seq.seq_id])
+            updates.append(RequestUpdate(seq, seq.num_computed + 1 + accepted, emitted, k_granted, drafted,
+                                         accepted, True, forwards))
+        else:
+            updates.append(RequestUpdate(seq, seq.num_computed + n, sampled.get(seq.seq_id, []), k_granted,
+                                         draft_forwards=forwards))
+    return updates
+
+
+def undo_step(seqs: list[Sequence], spec=None) -> None:
+    """Forget what a failed ``compute_step`` left behind: the drafters' state beyond each request's committed
+    KV. (Target K/V written beyond ``num_computed`` is garbage by definition and is overwritten later.)"""
+    if spec is not None:
+        for seq in seqs:
+            spec.drafter.rollback(seq, seq.num_computed)
