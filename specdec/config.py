@@ -56,7 +56,7 @@ class EngineConfig:
         if isinstance(dtype, str):
             resolve_dtype(dtype)  # validate the name before touching the model
         for name, value, low in (("block_size", block_size, 1), ("max_num_seqs", max_num_seqs, 1)):
-            if not isinstance(value, int) or value < low:
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
@@ -77,6 +77,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks={num_kv_blocks!r} cannot hold one sequence of max_model_len="
                              f"{max_model_len}; need at least {min_blocks} blocks of {block_size}")
         budget = max_num_batched_tokens if max_num_batched_tokens is not None else max(2048, max_model_len)
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1 (tokens computed per step; None = "
+                             f"max(2048, max_model_len)), got {max_num_batched_tokens!r}")
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
                    num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights)
 

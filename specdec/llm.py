@@ -8,6 +8,7 @@ import torch
 
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.engine import LLMEngine
+from specdec.model.default_model import default_model_path
 from specdec.outputs import RequestOutput
 from specdec.sampling.params import SamplingParams
 
@@ -16,7 +17,8 @@ class LLM:
     """Load a model and generate.
 
     Args:
-        model: a local Hugging Face-style folder, a ``.gguf`` file (converted once and cached), or a hub repo id.
+        model: a local Hugging Face-style folder, a ``.gguf`` file (converted once and cached), or a hub repo id;
+            None = the embedded default model, SmolLM2-135M-Instruct (``specdec.default_model_path()``).
         dtype: "float32" | "bfloat16" | "float16" | "auto" (the checkpoint's dtype; fp32 for fp16 on CPU).
         device: "cpu" | "cuda" | "auto".
         max_model_len: longest prompt + output; default min(model limit, 8192).
@@ -29,7 +31,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         dtype: str | torch.dtype = "auto",
         device: str = "auto",
         max_model_len: int | None = None,
@@ -44,6 +46,8 @@ class LLM:
     ):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
+        if model is None:
+            model = default_model_path()
         config = EngineConfig.create(
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
@@ -67,11 +71,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); outputs in input order.
 
-        Every request is validated before any runs: one bad request raises ``ValueError`` and nothing is queued.
+        Every request is validated before any runs: one bad request raises ``ValueError`` (naming its index) and
+        nothing is queued. A request that fails while running ends with ``finish_reason == "error"`` and its
+        message in ``RequestOutput.error``; the others are unaffected.
         """
         requests = self._requests(prompts, sampling_params, prompt_token_ids)
-        for prompt, params, ids in requests:
-            self.engine.validate_request(prompt, ids, params)
+        for i, (prompt, params, ids) in enumerate(requests):
+            try:
+                self.engine.validate_request(prompt, ids, params)
+            except ValueError as e:
+                if len(requests) == 1:
+                    raise
+                raise ValueError(f"prompt {i} of {len(requests)}: {e}") from None
         request_ids = [self.engine.add_request(prompt, params, ids) for prompt, params, ids in requests]
         final: dict[str, RequestOutput] = {}
         try:
@@ -124,14 +135,23 @@ class LLM:
 
     @staticmethod
     def _requests(prompts, sampling_params, prompt_token_ids) -> list[tuple[str | None, SamplingParams, list | None]]:
+        """(text, params, token ids) per request, or ``ValueError`` naming the argument - and the index in a
+        batch - that is wrong, and the type that was actually passed."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if not isinstance(prompts, (list, tuple)):
+                raise ValueError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
+            texts = list(prompts)
             id_lists: list = [None] * len(texts)
         else:
-            id_lists = [prompt_token_ids] if prompt_token_ids and isinstance(prompt_token_ids[0], int) else list(
-                prompt_token_ids)
+            if not isinstance(prompt_token_ids, (list, tuple)):
+                raise ValueError("prompt_token_ids must be a list of ints or a list of lists of ints, got "
+                                 f"{type(prompt_token_ids).__name__}")
+            single = bool(prompt_token_ids) and not isinstance(prompt_token_ids[0], (list, tuple))
+            id_lists = [list(prompt_token_ids)] if single else list(prompt_token_ids)
             texts = [None] * len(id_lists)
         if not texts:
             raise ValueError("no prompts given")
@@ -139,8 +159,14 @@ class LLM:
             params = [SamplingParams()] * len(texts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(texts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
             if len(params) != len(texts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(texts)} prompts; give one, or one each")
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
+        else:
+            raise ValueError("sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                             f"{type(sampling_params).__name__}")
         return list(zip(texts, params, id_lists))

@@ -38,6 +38,11 @@ def llm(model_dir):
     ({"temperature": float("nan")}, "temperature"),
     ({"stop": [""]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"seed": 2**63}, r"seed=9223372036854775808 is invalid; allowed: None or an integer in \[0, 2\*\*63 - 1\]"),
+    ({"seed": 2**70}, "seed"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"seed": True}, "seed"),
 ])
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -53,7 +58,15 @@ def test_sampling_params_validation(kwargs, match):
     (lambda llm: llm.generate(["hi", "there"], [OK]), "1 sampling_params for 2 prompts"),
     (lambda llm: llm.generate(), "exactly one of prompts or prompt_token_ids"),
     (lambda llm: llm.generate([""], OK), "prompt is empty"),
-    (lambda llm: llm.generate(["ok"], {"temperature": 0}), "must be a SamplingParams"),
+    (lambda llm: llm.generate(["ok"], {"temperature": 0}), "must be a SamplingParams or a list of them .* got dict"),
+    (lambda llm: llm.generate("hi", {"temperature": 0}), "got dict"),
+    (lambda llm: llm.generate(["a", "b"], [OK, {"temperature": 0}]), r"sampling_params\[1\] must be a SamplingParams, "
+                                                                     "got dict"),
+    (lambda llm: llm.generate(["Hello", ""], OK), "prompt 1 of 2: the prompt is empty"),
+    (lambda llm: llm.generate(prompt_token_ids=[[1, 2], [3, 10**6]], sampling_params=OK),
+     r"prompt 1 of 2: prompt token ids \[1000000\] are outside"),
+    (lambda llm: llm.generate(123, OK), "prompts must be a string or a list of strings, got int"),
+    (lambda llm: llm.generate(prompt_token_ids="abc", sampling_params=OK), "prompt_token_ids must be a list"),
 ])
 def test_bad_requests_raise_and_the_engine_keeps_serving(llm, call, match):
     with pytest.raises(ValueError, match=match):
@@ -76,6 +89,9 @@ def test_one_bad_request_in_a_batch_rejects_the_call_before_anything_runs(llm):
     ({"num_kv_blocks": 2}, "cannot hold one sequence"),
     ({"prepack_weights": "yes"}, "prepack_weights must be None"),
     ({"prepack_weights": True, "dtype": "bfloat16"}, "prepack_weights=True needs a CPU float32 model"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be an integer >= 1"),
+    ({"max_num_batched_tokens": -5}, "max_num_batched_tokens"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
 ])
 def test_bad_engine_arguments(model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -128,3 +144,10 @@ def test_offline_hub_id_not_in_cache_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
         specdec.LLM("nobody/not-a-model")
+
+
+def test_a_seed_at_the_top_of_the_range_runs(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=2**63 - 1, ignore_eos=True)
+    first = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)[0].outputs[0].token_ids
+    assert first == llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)[0].outputs[0].token_ids
+    assert len(first) == 4

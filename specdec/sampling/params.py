@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors (the Philox key); the engine draws unseeded ones below it
+
 
 @dataclass
 class SamplingParams:
@@ -13,8 +15,8 @@ class SamplingParams:
     ``temperature == 0`` is greedy (argmax of the penalised logits). Penalties follow vLLM/OpenAI:
     ``repetition_penalty`` (> 0, 1 = off) divides positive / multiplies negative logits of every token seen in
     prompt or output; ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) subtract a constant / a
-    count-proportional amount for tokens already generated. ``seed`` makes the request's randomness a pure
-    function of (seed, position), independent of batching.
+    count-proportional amount for tokens already generated. ``seed`` (in [0, 2**63 - 1]) makes the request's
+    random numbers a pure function of (seed, position, stream); what that reproduces is in docs/architecture.md.
     """
 
     temperature: float = 1.0
@@ -54,8 +56,9 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2] (0 = off)")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise bad("max_tokens", "an integer >= 1")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "an integer or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise bad("seed", f"None or an integer in [0, 2**63 - 1] = [0, {MAX_SEED}] (Philox takes a 64-bit key)")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
