@@ -1,0 +1,142 @@
+"""A randomised, seeded property test of the engine: add, abort, step, injected faults, pool pressure.
+
+Thousands of operations; after every one, the engine's books must balance: each pool's blocks are free or
+owned by exactly one running request, every running request's computed KV length lies within its tokens and
+its reserved slots (and the draft's view of its cache never runs ahead of the target's), every request ends
+exactly once, only poisoned requests end in "error", and the run terminates with every block back in the pool.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+import specdec
+from specdec import SamplingParams
+
+NUM_OPERATIONS = 2500
+FINISH_REASONS = {"length", "stop", "abort", "error"}
+
+
+class Poison(RuntimeError):
+    pass
+
+
+def _pools(engine):
+    pools = [engine.block_manager]
+    if engine.speculative is not None and engine.speculative.block_manager is not None:
+        pools.append(engine.speculative.block_manager)
+    return pools
+
+
+def _check(engine) -> None:
+    running = {s.seq_id: s for s in engine.scheduler.running}
+    waiting = {s.seq_id: s for s in engine.scheduler.waiting}
+    assert not running.keys() & waiting.keys()
+    for bm in _pools(engine):
+        bm.check_invariants()  # every block free or owned by exactly one sequence
+        assert set(bm._tables) == set(running), "blocks owned by a request that is not running (or missing)"
+    for seq in running.values():
+        assert 0 <= seq.num_computed < seq.num_tokens, "a running request with nothing left to compute is stuck"
+        for bm in _pools(engine):
+            assert seq.num_computed <= bm.seq_len(seq.seq_id)
+        assert len(seq.output_token_ids) < seq.params.max_tokens
+    for seq in waiting.values():
+        assert seq.num_computed == 0
+    drafter = getattr(engine.speculative, "drafter", None) if engine.speculative else None
+    kv_len = getattr(getattr(drafter, "draft_model", drafter), "kv_len", None)
+    if kv_len is not None:
+        for seq_id, n in kv_len.items():
+            if seq_id in running:
+                assert n <= running[seq_id].num_computed, "the draft cache runs ahead of the target's"
+    unfinished = {s.request_id for s in [*running.values(), *waiting.values()]}
+    assert set(engine._requests) == unfinished
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypatch):
+    target, draft = tiny_pair
+    rng = random.Random(20261122 + (mode == "speculative"))
+    speculative = (specdec.SpeculativeConfig(method="draft_model", draft_model=draft, num_speculative_tokens=3)
+                   if mode == "speculative" else None)
+    # a pool just above one full-length sequence: admission waits and preemption are frequent
+    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=48, num_kv_blocks=20, max_num_seqs=6,
+                      max_num_batched_tokens=20, speculative=speculative)
+    engine = llm.engine
+
+    poisoned: dict[str, tuple[str, int]] = {}  # request id -> (stage, fail once it has this many tokens)
+
+    def is_poisoned(seq, stage) -> bool:
+        plan = poisoned.get(seq.request_id)
+        return plan is not None and plan[0] == stage and len(seq.output_token_ids) >= plan[1]
+
+    forward = engine.runner.forward
+    by_id = lambda seq_id: next((s for s in engine.scheduler.running if s.seq_id == seq_id), None)  # noqa: E731
+
+    def faulty_forward(items):
+        if any((s := by_id(it.seq_id)) is not None and is_poisoned(s, "forward") for it in items):
+            raise Poison("poisoned forward")
+        return forward(items)
+
+    monkeypatch.setattr(engine.runner, "forward", faulty_forward)
+    if engine.speculative is not None:
+        propose = engine.speculative.drafter.propose
+
+        def faulty_propose(seqs, ks):
+            if any(is_poisoned(s, "draft") for s in seqs):
+                raise Poison("poisoned drafter")
+            return propose(seqs, ks)
+
+        monkeypatch.setattr(engine.speculative.drafter, "propose", faulty_propose)
+
+    ended: dict[str, str] = {}  # request id -> finish reason (each request must end exactly once)
+    preemptions = [0]
+
+    def record(outputs) -> None:
+        for out in outputs:
+            if out.finished:
+                assert out.request_id not in ended, f"request {out.request_id} ended twice"
+                reason = out.outputs[0].finish_reason
+                assert reason in FINISH_REASONS
+                assert (reason == "error") == (out.error is not None)
+                if reason == "error":
+                    assert out.request_id in poisoned, f"an innocent request failed: {out.error}"
+                ended[out.request_id] = reason
+                preemptions[0] += out.metrics["num_preemptions"]
+
+    added: list[str] = []
+    for _ in range(NUM_OPERATIONS):
+        op = rng.random()
+        if op < 0.22:
+            prompt = [rng.randrange(1, 260) for _ in range(rng.randint(1, 18))]
+            params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 24),
+                                    seed=rng.randrange(2**63), ignore_eos=rng.random() < 0.7)
+            rid = engine.add_request(prompt_token_ids=prompt, params=params)
+            added.append(rid)
+            if rng.random() < 0.15:
+                stages = ["forward", "draft"] if engine.speculative is not None else ["forward"]
+                poisoned[rid] = (rng.choice(stages), rng.randint(0, 6))
+        elif op < 0.30 and added:
+            rid = rng.choice(added)
+            out = engine.abort(rid)
+            if rid in ended or out is None:
+                assert out is None or rid not in ended
+        else:
+            record(engine.step())
+        _check(engine)
+
+    for _ in range(5000):  # drain; the bound is the "never spins" check
+        if not engine.has_unfinished_requests():
+            break
+        record(engine.step())
+        _check(engine)
+    record(engine.step())  # the outputs of the last aborts
+    assert not engine.has_unfinished_requests(), "the engine did not terminate"
+    assert set(ended) == set(added), "a request never ended"
+    for bm in _pools(engine):
+        assert bm.num_free_blocks == bm.num_blocks
+    reasons = list(ended.values())
+    # the run exercised what it is meant to: failures, aborts, preemptions
+    assert reasons.count("error") >= 3 and reasons.count("abort") >= 3
+    assert len(added) >= 300 and preemptions[0] >= 3

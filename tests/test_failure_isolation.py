@@ -1,0 +1,239 @@
+"""Fault injection: a failure inside any stage of a step ends only the request it belongs to.
+
+For a batch of 4, one request is made to fail inside one stage of a step (drafting, the target forward, its
+NaN logits row, sampling, verification, the rollback, detokenisation). The other three must produce exactly
+the tokens of an unfaulted run, the failed one ends with finish_reason "error" and a message, no block is
+leaked in either pool, and the engine serves new requests afterwards. Plain and speculative, greedy and sampled.
+
+The faults are injected at names that exist in the engine before and after the failure-isolation rework
+(runner.forward, drafter.propose, plain_step.sample_next_tokens, speculative.verify, truncate_to,
+engine.append_text), so these tests also ran against the old step: there every faulted case fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec
+import specdec.engine.engine as engine_module
+import specdec.engine.plain_step as plain_step_module
+import specdec.engine.speculative as speculative_module
+from specdec import SamplingParams
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
+VICTIM = 1  # index of the request that fails
+MAX_TOKENS = 14
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _params(sampled: bool) -> list[SamplingParams]:
+    if sampled:
+        return [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=100 + i, ignore_eos=True)
+                for i in range(len(PROMPTS))]
+    return [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_pair):
+    target, draft = tiny_pair
+    plain = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64)
+    spec = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64,
+                       speculative=specdec.SpeculativeConfig(method="draft_model", draft_model=draft,
+                                                             num_speculative_tokens=3))
+    return {"plain": plain.engine, "speculative": spec.engine}
+
+
+def _pools(engine):
+    pools = [engine.block_manager]
+    if engine.speculative is not None and engine.speculative.block_manager is not None:
+        pools.append(engine.speculative.block_manager)
+    return pools
+
+
+def _assert_pools_whole(engine):
+    for bm in _pools(engine):
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks, "a KV block leaked"
+
+
+def _run(engine, sampled: bool) -> dict[str, object]:
+    """Add the 4 requests, step until none is left; the final output of each, by batch index."""
+    ids = [engine.add_request(prompt_token_ids=p, params=sp) for p, sp in zip(PROMPTS, _params(sampled))]
+    final = {}
+    for _ in range(500):  # bounded: the engine must never spin
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert not engine.has_unfinished_requests(), "the engine did not finish its requests"
+    return {i: final[rid] for i, rid in enumerate(ids)}
+
+
+def _is_victim(seq) -> bool:
+    # the victim's fault shows once it has generated a few tokens: mid-request, not at admission
+    return seq.prompt_token_ids == PROMPTS[VICTIM] and len(seq.output_token_ids) >= 2
+
+
+def _inject(monkeypatch, engine, stage: str) -> None:
+    """Make the victim's part of ``stage`` raise (or produce NaN logits) from its third token on."""
+    victim_ids = lambda seqs: any(_is_victim(s) for s in seqs)  # noqa: E731
+
+    def seq_of(seq_id):
+        return next((s for s in engine.scheduler.running if s.seq_id == seq_id), None)
+
+    if stage in ("forward", "nan_logits"):
+        forward = engine.runner.forward
+
+        def faulty_forward(items):
+            seqs = [seq_of(it.seq_id) for it in items]
+            hit = [s is not None and _is_victim(s) for s in seqs]
+            if stage == "forward" and any(hit):
+                raise InjectedFault("target forward failed for the victim")
+            logits = forward(items)
+            if any(hit):  # NaN in every logits row of the victim
+                row, rows = 0, []
+                for it, h in zip(items, hit):
+                    rows += list(range(row, row + it.num_logits)) if h else []
+                    row += it.num_logits
+                logits = logits.clone()
+                logits[rows] = float("nan")
+            return logits
+
+        monkeypatch.setattr(engine.runner, "forward", faulty_forward)
+    elif stage == "draft":
+        propose = engine.speculative.drafter.propose
+
+        def faulty_propose(seqs, ks):
+            if victim_ids(seqs):
+                raise InjectedFault("drafter failed for the victim")
+            return propose(seqs, ks)
+
+        monkeypatch.setattr(engine.speculative.drafter, "propose", faulty_propose)
+    elif stage == "sample":
+        sample = plain_step_module.sample_next_tokens
+
+        def faulty_sample(logits, params, seeds, positions, prompts, outputs):
+            if any(p == PROMPTS[VICTIM] for p in prompts):
+                raise InjectedFault("sampling failed for the victim")
+            return sample(logits, params, seeds, positions, prompts, outputs)
+
+        monkeypatch.setattr(plain_step_module, "sample_next_tokens", faulty_sample)
+    elif stage == "verify":
+        verify = speculative_module.verify
+
+        def faulty_verify(logits, seqs, proposal):
+            if victim_ids(seqs):
+                raise InjectedFault("verification failed for the victim")
+            return verify(logits, seqs, proposal)
+
+        monkeypatch.setattr(speculative_module, "verify", faulty_verify)
+    elif stage == "rollback":
+        truncate_to = engine.block_manager.truncate_to
+
+        def faulty_truncate_to(seq_id, new_len):
+            seq = seq_of(seq_id)
+            if seq is not None and _is_victim(seq):
+                raise InjectedFault("rollback failed for the victim")
+            return truncate_to(seq_id, new_len)
+
+        monkeypatch.setattr(engine.block_manager, "truncate_to", faulty_truncate_to)
+    elif stage == "detokenize":
+        append_text = engine_module.append_text
+
+        def faulty_append_text(seq, tokenizer):
+            if _is_victim(seq):
+                raise InjectedFault("detokenisation failed for the victim")
+            return append_text(seq, tokenizer)
+
+        monkeypatch.setattr(engine_module, "append_text", faulty_append_text)
+    else:
+        raise AssertionError(stage)
+
+
+CASES = (
+    [("plain", stage) for stage in ("forward", "nan_logits", "sample", "detokenize")]
+    + [("speculative", stage) for stage in ("draft", "forward", "nan_logits", "verify", "rollback", "detokenize")]
+)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("mode,stage", CASES)
+def test_a_fault_in_one_request_leaves_the_others_untouched(engines, monkeypatch, mode, stage, sampled):
+    engine = engines[mode]
+    clean = _run(engine, sampled)
+    _assert_pools_whole(engine)
+    with monkeypatch.context() as patch:
+        _inject(patch, engine, stage)
+        faulted = _run(engine, sampled)
+    victim = faulted[VICTIM]
+    assert victim.outputs[0].finish_reason == "error", f"the victim ended with {victim.outputs[0].finish_reason}"
+    expected = "non-finite logits" if stage == "nan_logits" else "for the victim"
+    assert victim.error is not None and expected in victim.error
+    # the victim got as far as its fault: its tokens are a prefix of the clean run's
+    assert victim.outputs[0].token_ids == clean[VICTIM].outputs[0].token_ids[: len(victim.outputs[0].token_ids)]
+    for i in range(len(PROMPTS)):
+        if i != VICTIM:
+            assert faulted[i].outputs[0].finish_reason == "length"
+            assert faulted[i].outputs[0].token_ids == clean[i].outputs[0].token_ids, f"request {i} changed"
+    _assert_pools_whole(engine)
+    assert engine.stats["failed_requests"] >= 1
+    # and the engine serves new requests afterwards, exactly as before
+    again = _run(engine, sampled)
+    assert [o.outputs[0].token_ids for o in again.values()] == [o.outputs[0].token_ids for o in clean.values()]
+    _assert_pools_whole(engine)
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_a_forward_that_always_fails_ends_the_requests_of_that_step_cleanly(engines, monkeypatch, mode):
+    engine = engines[mode]
+    with monkeypatch.context() as patch:
+        def broken(items):
+            raise InjectedFault("the device is gone")
+
+        patch.setattr(engine.runner, "forward", broken)
+        outs = _run(engine, sampled=False)
+    assert all(o.outputs[0].finish_reason == "error" and "the device is gone" in o.error for o in outs.values())
+    _assert_pools_whole(engine)
+    clean = _run(engine, sampled=False)  # the patch is gone: the engine works again
+    assert all(o.outputs[0].finish_reason == "length" for o in clean.values())
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_a_transient_forward_failure_is_retried_and_fails_nobody(engines, monkeypatch, mode):
+    engine = engines[mode]
+    clean = _run(engine, sampled=True)
+    forward = engine.runner.forward
+    calls = {"n": 0}
+
+    def flaky(items):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise InjectedFault("one bad forward")
+        return forward(items)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner, "forward", flaky)
+        outs = _run(engine, sampled=True)
+    assert calls["n"] > 3
+    assert [o.outputs[0].token_ids for o in outs.values()] == [o.outputs[0].token_ids for o in clean.values()]
+    _assert_pools_whole(engine)
+
+
+def test_generate_returns_the_error_and_the_other_results(engines, monkeypatch):
+    """Through the LLM facade: the innocent requests of a generate() call are not failed with the guilty one."""
+    engine = engines["plain"]
+    llm = specdec.LLM.__new__(specdec.LLM)
+    llm.engine = engine
+    clean = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params(False))
+    with monkeypatch.context() as patch:
+        _inject(patch, engine, "nan_logits")
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=_params(False))
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length", "length"]
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != VICTIM] == [
+        o.outputs[0].token_ids for i, o in enumerate(clean) if i != VICTIM]
+    assert torch.isfinite(torch.tensor([len(o.outputs[0].token_ids) for o in outs])).all()
