@@ -237,3 +237,20 @@ def test_generate_returns_the_error_and_the_other_results(engines, monkeypatch):
     assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != VICTIM] == [
         o.outputs[0].token_ids for i, o in enumerate(clean) if i != VICTIM]
     assert torch.isfinite(torch.tensor([len(o.outputs[0].token_ids) for o in outs])).all()
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative"])
+def test_a_step_that_can_schedule_nothing_ends_the_stuck_requests_instead_of_spinning(engines, monkeypatch, mode):
+    from specdec.engine.scheduler import ScheduledBatch
+
+    engine = engines[mode]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    running = [engine.add_request(prompt_token_ids=p, params=greedy) for p in PROMPTS[:2]]
+    engine.step()
+    waiting = engine.add_request(prompt_token_ids=PROMPTS[2], params=greedy)
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: ScheduledBatch([], []))
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == sorted(running + [waiting])
+    assert all(o.outputs[0].finish_reason == "error" and "could not make progress" in o.error for o in outs)
+    assert not engine.has_unfinished_requests() and engine.step() == []
+    _assert_pools_whole(engine)
