@@ -202,7 +202,11 @@ def _generate(args: argparse.Namespace) -> int:
         print(delta, end="", flush=True)
     elapsed = time.perf_counter() - start
     print()
-    _report(llm.last_stream_output, elapsed, torch.get_num_threads())
+    out = llm.last_stream_output
+    _report(out, elapsed, torch.get_num_threads())
+    if out is not None and out.outputs[0].finish_reason == "error":
+        print(f"error: the request failed: {out.error}", file=sys.stderr)
+        return 1
     return 0
 
 
