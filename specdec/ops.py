@@ -1,9 +1,10 @@
 """One dispatch point per op: the Triton kernel on CUDA (or when forced), the torch reference otherwise.
 
-Rule (the dispatch contract): an op runs its Triton kernel iff its tensors are on CUDA, or the force switch
-is on (``force_triton()``, used by the interpreter end-to-end test). It is never inferred from
-``TRITON_INTERPRET``: tests set that process-wide, and inferring from it would push every engine test through
-the ~1000x slower interpreter.
+Rule (the dispatch contract): an op runs its Triton kernel iff its tensors are on CUDA, or ``force_triton()``
+is active (used by the interpreter end-to-end test); inside ``force_reference()`` it runs its torch reference
+whatever the device (so a GPU test can compare the kernel with the reference on the same device). The two
+switches nest and the innermost active one wins. The choice is never inferred from ``TRITON_INTERPRET``: tests
+set that process-wide, and inferring from it would push every engine test through the ~1000x slower interpreter.
 """
 
 from __future__ import annotations
@@ -18,23 +19,38 @@ from specdec.kernels import softmax as _softmax
 from specdec.kernels import spec_sample as _spec_sample
 from specdec.kernels import top_k_top_p as _top_k_top_p
 
-_force_triton = False
+# None: by device (the kernel on CUDA, the reference elsewhere); "triton" / "reference": forced by the innermost
+# active force_triton() / force_reference() context.
+_forced: str | None = None
 
 
 @contextlib.contextmanager
-def force_triton(enabled: bool = True) -> Iterator[None]:
-    """Run every op through its Triton launcher inside this context (on CPU that needs TRITON_INTERPRET=1)."""
-    global _force_triton
-    previous, _force_triton = _force_triton, enabled
+def _force(mode: str | None) -> Iterator[None]:
+    global _forced
+    previous, _forced = _forced, mode
     try:
         yield
     finally:
-        _force_triton = previous
+        _forced = previous
+
+
+def force_triton(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Run every op through its Triton launcher inside this context (on CPU that needs TRITON_INTERPRET=1).
+    ``enabled=False`` restores dispatch by device inside it."""
+    return _force("triton" if enabled else None)
+
+
+def force_reference(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Run every op through its torch reference inside this context, even on CUDA tensors (the reference runs
+    on the tensors' own device). ``enabled=False`` restores dispatch by device inside it."""
+    return _force("reference" if enabled else None)
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """True iff the op on ``tensor`` should run its Triton kernel."""
-    return _force_triton or tensor.is_cuda
+    if _forced is not None:
+        return _forced == "triton"
+    return tensor.is_cuda
 
 
 def _launcher(module, name: str):

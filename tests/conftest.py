@@ -1,15 +1,23 @@
-"""Test-wide setup. TRITON_INTERPRET must be set before anything imports triton (TRITON_ON_CPU.md)."""
+"""Test-wide setup. Without a CUDA device, TRITON_INTERPRET=1 must be set before anything imports triton
+(TRITON_ON_CPU.md); with one, kernels run compiled (the variable is left as the environment has it).
+
+``import torch`` does not import triton, so CUDA is probed first; if triton is already in ``sys.modules`` on a
+machine without CUDA and the interpreter was not asked for, it is too late to ask: stop with a clear error.
+"""
 
 import os
 import sys
 
-if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1")
-os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/conftest.py could set TRITON_INTERPRET=1")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Two threads on a two-core machine with a busy neighbour run up to 50x slower than one.
 torch.set_num_threads(1)
