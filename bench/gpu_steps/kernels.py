@@ -1,0 +1,135 @@
+"""Step kernels: each kernel's achieved bandwidth against a measured device-to-device copy, and paged attention
+against torch SDPA on contiguous KV of the same shape (kernels.json).
+
+Attention: Llama-3.2-1B heads (32 q / 8 kv, head dim 64) and 3B (24 / 8 / 128), bf16, batch 1/8/64, context
+512/2k/8k, a decode (q_len 1) and a k=4 verification window (q_len 5). The Triton kernel reads a shuffled paged
+cache (``bench.kernels.bench_attention.make_inputs``); SDPA gets the same K/V contiguous ``[B, Hkv, ctx, D]`` with
+``enable_gqa`` (a causal bool mask for the window). Bytes are ``bench_attention.bytes_moved`` (K and V once, q
+and out once). Sampling: ``bench_sampling_filters`` cases (softmax, top-k/top-p) and ``bench_spec_sample.run``
+(fused verification vs the torch sequence), vocab 128256. Times: ``triton.testing.do_bench`` on CUDA.
+Dry run: CPU, tiny shapes, torch references only; Triton columns and the copy ratio say "skipped: no CUDA".
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench.gpu_steps.common import copy_bandwidth_gbps, event_ms, out_of_time, parse_args, write_json
+from bench.kernels import bench_attention, bench_sampling_filters, bench_spec_sample
+from specdec.kernels.paged_attention import paged_attention, paged_attention_reference
+
+
+def time_ms(fn, cuda: bool) -> float:
+    return bench_attention.time_ms(fn, "cuda") if cuda else event_ms(fn, reps=3, warmup=1)
+
+
+def sdpa_inputs(paged: tuple, batch: int, ctx: int, q_len: int):
+    """The paged inputs' K/V gathered into contiguous ``[B, Hkv, ctx, D]`` and q as ``[B, Hq, q_len, D]``."""
+    q, k_cache, v_cache, tables = paged[:4]
+    k = k_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()  # (B, Hkv, ctx, D)
+    v = v_cache[tables.long()].flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+    qb = q.view(batch, q_len, q.shape[1], q.shape[2]).transpose(1, 2).contiguous()  # (B, Hq, q_len, D)
+    mask = None
+    if q_len > 1:  # new token i sees the context and new tokens <= i
+        mask = torch.ones(q_len, ctx, dtype=torch.bool, device=q.device).tril(ctx - q_len)
+    return qb, k, v, mask
+
+
+def attention_row(model: str, batch: int, ctx: int, q_len: int, cuda: bool, copy_gbps: float | None) -> dict:
+    """One shape: the Triton kernel on the paged cache and SDPA on contiguous KV (CPU: the reference instead)."""
+    hq, hkv, d = bench_attention.MODELS[model]
+    dtype = torch.bfloat16
+    paged = bench_attention.make_inputs(batch, ctx, q_len, hq, hkv, d, dtype, "cuda" if cuda else "cpu")
+    nbytes = bench_attention.bytes_moved(batch, ctx, q_len, hq, hkv, d, dtype)
+    qb, k, v, mask = sdpa_inputs(paged, batch, ctx, q_len)
+    row = {"model": model, "batch": batch, "ctx": ctx, "q_len": q_len, "dtype": "bfloat16", "bytes": nbytes}
+    row["sdpa_ms"] = time_ms(lambda: F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True), cuda)
+    row["sdpa_GBps"] = nbytes / (row["sdpa_ms"] * 1e6)
+    if cuda:
+        row["triton_ms"] = time_ms(lambda: paged_attention(*paged), cuda)
+        row["triton_GBps"] = nbytes / (row["triton_ms"] * 1e6)
+        row["triton_pct_copy"] = 100 * row["triton_GBps"] / copy_gbps
+        row["triton_over_sdpa"] = row["sdpa_ms"] / row["triton_ms"]  # > 1: the kernel is faster
+    else:
+        row["triton_ms"] = "skipped: no CUDA"
+        row["reference_ms"] = time_ms(lambda: paged_attention_reference(*paged), cuda)
+    return row
+
+
+def attention(args, cuda: bool, copy_gbps: float | None, rows: list[dict], save) -> None:
+    batches, contexts, q_lens = ([1, 2], [16, 64], [1, 5]) if args.dry_run else ([1, 8, 64], [512, 2048, 8192], [1, 5])
+    for model in bench_attention.MODELS:
+        for batch in batches:
+            for ctx in contexts:
+                if out_of_time(args, 15):
+                    return
+                for q_len in q_lens:
+                    row = attention_row(model, batch, ctx, q_len, cuda, copy_gbps)
+                    rows.append(row)
+                    print(", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                          flush=True)  # fmt: skip
+                save()
+
+
+def sampling(args, cuda: bool, copy_gbps: float | None, rows: list[dict], save) -> None:
+    batches, vocab = ([1, 2], 512) if args.dry_run else ([1, 8, 64], 128256)
+    dev = "cuda" if cuda else "cpu"
+    for batch in batches:
+        if out_of_time(args, 10):
+            return
+        for op, nbytes, impls in bench_sampling_filters._cases(batch, vocab, dev, torch.bfloat16):
+            row = {"op": op, "batch": batch, "vocab": vocab, "bytes": nbytes}
+            for impl, fn in impls.items():
+                if impl == "triton" and not cuda:
+                    row["triton_ms"] = "skipped: no CUDA"
+                    continue
+                row[f"{impl}_ms"] = time_ms(fn, cuda)
+                row[f"{impl}_GBps"] = nbytes / (row[f"{impl}_ms"] * 1e6)
+            if cuda:
+                row["triton_pct_copy"] = 100 * row["triton_GBps"] / copy_gbps
+            rows.append(row)
+            print(row, flush=True)
+        save()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(__doc__.splitlines()[0], argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda:
+        torch.set_num_threads(1)
+    result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16",
+                    "timer": "triton.testing.do_bench (median)" if cuda else "perf_counter (median)",
+                    "copy": None, "attention": [], "sampling": [], "spec_sample": []}  # fmt: skip
+
+    def save() -> None:
+        write_json(args.out / "kernels.json", result)
+
+    if cuda:
+        result["copy"] = copy_bandwidth_gbps(1024)
+        print(f"device-to-device copy: {result['copy']['copy_GBps']:.0f} GB/s (read + write)", flush=True)
+    else:
+        result["copy"] = {**copy_bandwidth_gbps(16, reps=3), "note": "skipped: no CUDA (CPU copy, for the record)"}
+    copy_gbps = result["copy"]["copy_GBps"]
+    save()
+    attention(args, cuda, copy_gbps, result["attention"], save)
+    sampling(args, cuda, copy_gbps, result["sampling"], save)
+    if not out_of_time(args, 20):
+        batches, vocab = ([1, 2], 512) if args.dry_run else ([1, 8, 64], 128256)
+        rows = bench_spec_sample.run(batches, [4], vocab, "cuda" if cuda else "cpu", reps=2 if args.dry_run else 3)
+        for row in rows:
+            if cuda and "verify_fused_GBps" in row:
+                row["fused_pct_copy"] = 100 * row["verify_fused_GBps"] / copy_gbps
+            elif not cuda:
+                row["verify_fused_ms"] = "skipped: no CUDA"
+        result["spec_sample"] = rows
+        save()
+    if not cuda:
+        print("STATUS: skipped: no CUDA (torch references timed on CPU, tiny shapes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""Step summary: summary.md from the other steps' files, ready to paste into docs/benchmarks.md.
+
+The projection uses ``bench.e2e.improvement`` (Theorem 3.8 of Leviathan et al. with the measured verification
+cost: (1 - a^(k+1)) / ((1 - a) (k c + v(k)))), the formula ``python -m bench.e2e`` prints as "Thm+v(k)".
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+from bench.gpu_steps.common import parse_args
+
+
+def load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(fmt(v) for v in row) + " |" for row in rows), ""]  # fmt: skip
+
+
+def log_lines(path: Path, pattern: str) -> list[str]:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.strip() for line in text.splitlines() if re.search(pattern, line)]
+
+
+def section_env(env: dict, run: dict) -> list[str]:
+    lines = [f"## GPU run: {env.get('device', '?')} ({run.get('date', '?')})", ""]
+    if run.get("dry_run"):
+        lines += ["**Dry run** (CPU, tiny shapes): proves the command and its files; no figure below is a GPU "
+                  "measurement.", ""]  # fmt: skip
+    lines += [f"- device: {env.get('device')}, {env.get('sm_count')} SMs, {env.get('memory_gib', '-')} GiB; "
+              f"nvidia-smi: {env.get('nvidia_smi') or 'not found'}",
+              f"- torch {env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda_runtime')}, "
+              f"Python {env.get('python')}",
+              f"- git commit {env.get('git_commit')}; specdec imported from {run.get('layout', '?')}",
+              f"- command: `{run.get('command', '?')}` (budget {run.get('budget_s', '?')} s)", ""]  # fmt: skip
+    return lines
+
+
+def section_steps(run: dict) -> list[str]:
+    rows = [[s["name"], s["status"], s.get("exit"), None if s.get("seconds") is None else round(s["seconds"]),
+             s.get("limit_s")] for s in run.get("steps", [])]  # fmt: skip
+    return ["### Steps", "", *table(["step", "status", "exit", "seconds", "limit (s)"], rows)]
+
+
+def section_tests(out: Path) -> list[str]:
+    lines = ["### Tests and sanitizer", ""]
+    for line in log_lines(out / "tests.log", r"^== .*: (exit|TIMEOUT|not run)|(passed|failed|error|selected|"
+                                             r"collected|deselected).* in [0-9.]+s|^STATUS"):  # fmt: skip
+        lines.append(f"- tests: {line}")
+    for line in log_lines(out / "sanitizer.log", r"ERROR SUMMARY|^STATUS|MISMATCH|not found"):
+        lines.append(f"- compute-sanitizer memcheck: {line}")
+    return [*lines, ""]
+
+
+def section_kernels(kernels: dict) -> list[str]:
+    if not kernels:
+        return ["### Kernels", "", "no kernels.json (the step failed or was not selected)", ""]
+    copy = kernels.get("copy") or {}
+    lines = ["### Kernels", "",
+             f"bf16; device-to-device copy {fmt(copy.get('copy_GBps'), 0)} GB/s (read + write, {copy.get('buffer_mb')} "
+             f"MiB, {copy.get('timer')}){' - ' + copy['note'] if copy.get('note') else ''}. GB/s = compulsory bytes "
+             "(K and V once, q and out once) / time; SDPA gets the same K/V contiguous (enable_gqa).", ""]  # fmt: skip
+    rows = [[r["model"], r["batch"], r["ctx"], r["q_len"], r.get("triton_ms"), r.get("triton_GBps"),
+             r.get("triton_pct_copy"), r.get("sdpa_ms"), r.get("sdpa_GBps"), r.get("triton_over_sdpa")]
+            for r in kernels.get("attention", [])]  # fmt: skip
+    lines += table(["model", "batch", "ctx", "q_len", "Triton ms", "Triton GB/s", "% of copy", "SDPA ms", "SDPA GB/s",
+                    "SDPA ms / Triton ms"], rows)  # fmt: skip
+    rows = [[r["op"], r["batch"], r["vocab"], r.get("triton_ms"), r.get("triton_GBps"), r.get("triton_pct_copy"),
+             r.get("torch_ms")] for r in kernels.get("sampling", [])]  # fmt: skip
+    lines += table(["op", "batch", "vocab", "Triton ms", "Triton GB/s", "% of copy", "torch ms"], rows)
+    rows = [[r["batch"], r["k"], r["vocab"], r.get("verify_fused_ms"), r.get("verify_fused_GBps"),
+             r.get("fused_pct_copy"), r.get("verify_torch_ms"), r.get("verify_speedup"), r.get("full_speedup")]
+            for r in kernels.get("spec_sample", [])]  # fmt: skip
+    lines += table(["spec_sample batch", "k", "vocab", "fused ms", "fused GB/s", "% of copy", "torch ms",
+                    "verify speedup", "with standardization"], rows)  # fmt: skip
+    return lines
+
+
+def section_e2e(e2e: dict) -> list[str]:
+    if not e2e:
+        return ["### End to end", "", "no e2e.json (the step failed or was not selected)", ""]
+    lines = ["### End to end", "",
+             f"draft_model, k={e2e.get('k')}, greedy, {e2e.get('dtype')}, prompts of {e2e.get('prompt_len')} random "
+             f"ids, {e2e.get('max_tokens')} new tokens (ignore_eos), median of {e2e.get('reps')} interleaved runs; "
+             "tok/s = generated tokens / wall time of generate (prefill included). Pairs: `random` = 3B-shaped "
+             "target, independent 1B-shaped draft (they do not agree); `damped` = 1B-shaped target whose layers >= 2 "
+             "are damped, draft = its first 2 layers (known acceptance).", ""]  # fmt: skip
+    rows = []
+    for name, entry in e2e.get("pairs", {}).items():
+        for batch, r in entry.get("batches", {}).items():
+            c = r.get("costs", {})
+            rows.append([name, batch, r.get("plain_tokens_per_s"), r.get("spec_tokens_per_s"), r.get("speedup"),
+                         r.get("acceptance_rate"), r.get("alpha"), r.get("tau"), c.get("c"), c.get("v_k"),
+                         c.get("target_1_ms"), r.get("identical_tokens")])  # fmt: skip
+    lines += table(["pair", "batch", "plain tok/s", "spec tok/s", "speedup", "accept", "alpha", "tau", "c", "v(k)",
+                    "target decode ms", "greedy identical (bf16)"], rows)  # fmt: skip
+    fp32 = e2e.get("fp32_greedy_identity")
+    if fp32:
+        lines += [f"fp32 greedy identity (small pair, {fp32['tokens_per_request']} tokens): {fp32['identical']}/"
+                  f"{fp32['requests']} requests identical to plain greedy (acceptance {fmt(fp32['acceptance_rate'])}).",
+                  ""]  # fmt: skip
+    profile = e2e.get("profile")
+    if profile:
+        lines += [f"Profile of one speculative round ({profile['pair']} pair, batch {profile['batch']}; top ops in "
+                  f"profile.txt): " + ", ".join(f"{k} x{v}" for k, v in profile["event_counts"].items()), ""]
+    return lines
+
+
+def section_projection(e2e: dict, alphas: list[float]) -> list[str]:
+    from bench.e2e import improvement
+
+    k = e2e.get("k", 4)
+    lines = ["### Projection", "",
+             f"Predicted speedup = `bench.e2e.improvement(alpha, k={k}, c, v(k))` = (1 - a^(k+1)) / ((1 - a)(k c + "
+             "v(k))) (Theorem 3.8 with the measured verification cost, the \"Thm+v(k)\" column of `bench.e2e`), "
+             "from the c and v(k) measured above, at assumed acceptances and at the measured one, beside the "
+             "measured speedup.", ""]  # fmt: skip
+    rows = []
+    for name, entry in e2e.get("pairs", {}).items():
+        for batch, r in entry.get("batches", {}).items():
+            c, v = r["costs"]["c"], r["costs"]["v_k"]
+            rows.append([name, batch, c, v, *(improvement(a, k, c, v) for a in alphas), r.get("alpha"),
+                         improvement(r.get("alpha"), k, c, v), r.get("speedup")])  # fmt: skip
+    header = ["pair", "batch", "c", "v(k)", *(f"alpha {a:g}" for a in alphas), "measured alpha", "at measured alpha",
+              "measured speedup"]  # fmt: skip
+    return [*lines, *table(header, rows)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    def extra(parser):
+        parser.add_argument("--alpha", type=float, nargs="+", default=[0.6, 0.7, 0.8])
+
+    args = parse_args(__doc__.splitlines()[0], argv, extra)
+    env = load(args.out / "env.json")
+    run = env.get("run", {})
+    e2e = load(args.out / "e2e.json")
+    lines = [*section_env(env, run), *section_steps(run), *section_tests(args.out),
+             *section_kernels(load(args.out / "kernels.json")), *section_e2e(e2e)]  # fmt: skip
+    if e2e.get("pairs"):
+        lines += section_projection(e2e, args.alpha)
+    (args.out / "summary.md").write_text("\n".join(lines).rstrip() + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
