@@ -184,9 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "env":
             env_info = load_json(out / "env.json")
             cuda = bool(env_info.get("cuda"))
+        if name != "summary":  # if this process is killed (an outer time limit), the steps so far are on record
+            write_run_record(out, env_info, records, args, budget, where)
+            fallback_summary(out, records, "interrupted: the summary step has not run")
     write_run_record(out, env_info, records, args, budget, where)
-    if not (out / "summary.md").exists() or records[-1]["exit"] != 0:
-        fallback_summary(out, records)
+    if records[-1]["exit"] != 0:
+        fallback_summary(out, records, "the summary step failed: see steps.log")
     shutil.rmtree(scratch, ignore_errors=True)
     if site is not None:
         shutil.rmtree(site, ignore_errors=True)
@@ -214,9 +217,9 @@ def write_run_record(out: Path, env_info: dict, records: list[dict], args, budge
     (out / "env.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
-def fallback_summary(out: Path, records: list[dict]) -> None:
-    """If the summary step failed: at least the step table, in the same shape."""
-    lines = ["## GPU run (summary step failed: see steps.log)", "", "| step | status | exit | seconds | limit (s) |",
+def fallback_summary(out: Path, records: list[dict], why: str) -> None:
+    """Until the summary step has run (or if it fails): at least the step table, in the same shape."""
+    lines = [f"## GPU run ({why})", "", "| step | status | exit | seconds | limit (s) |",
              "|---|---|---|---|---|", *(f"| {r['name']} | {r['status']} | {r['exit']} | {r['seconds']} | "
                                         f"{r['limit_s']} |" for r in records)]  # fmt: skip
     (out / "summary.md").write_text("\n".join(lines) + "\n")
