@@ -1,0 +1,113 @@
+"""The engine's own time per step, with a negligible model (1 layer, hidden 64): the floor no GPU can go below.
+
+Whatever a step costs here is host work - scheduling, metadata, sampling over the vocabulary, drafting
+bookkeeping, verification - because the forward itself is a few tiny matrix products. Rows: plain decoding and
+draft-model speculation (k=4, the draft a copy of the target, so every draft is accepted), greedy and sampled
+(T=0.8), at batch 1/8/64 and vocab 512 / 128256 by default. Configurations are interleaved and each figure is
+the median over repetitions, so a noisy neighbour shifts all of them alike.
+
+    python -m bench.host_overhead [--vocab 512 128256] [--batch 1 8 64] [--steps 20] [--reps 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import add_record_flag, machine_info, median, print_table, set_threads, write_json
+
+MODES = {  # name -> (speculative?, temperature)
+    "plain greedy": (False, 0.0),
+    "plain T=0.8": (False, 0.8),
+    "draft k=4 greedy": (True, 0.0),
+    "draft k=4 T=0.8": (True, 0.8),
+}
+K = 4
+
+
+def make_negligible_model(path: str, vocab: int) -> None:
+    """A 1-layer, hidden-64 llama with ``vocab`` tokens (no tokenizer: prompts are token ids)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_models import make_tiny_model
+
+    make_tiny_model(path, "llama", seed=0, vocab_size=vocab, hidden_size=64, num_layers=1, num_heads=4,
+                    num_kv_heads=2, intermediate_size=128, with_tokenizer=False, max_position_embeddings=4096)
+
+
+def build_engines(path: str, batch: int) -> dict:
+    import specdec
+
+    engines = {}
+    for name, (speculative, _) in MODES.items():
+        spec = specdec.SpeculativeConfig(method="draft_model", draft_model=path, num_speculative_tokens=K) \
+            if speculative else None
+        llm = specdec.LLM(path, dtype="float32", max_model_len=2048, max_num_seqs=max(batch, 1),
+                          num_kv_blocks=(batch + 1) * 2048 // 16 + 8, speculative=spec)
+        engines[name] = llm.engine
+    return engines
+
+
+def seconds_per_step(engine, batch: int, temperature: float, steps: int, vocab: int) -> float:
+    """Median wall time of ``steps`` engine steps with ``batch`` requests all decoding (prefill excluded)."""
+    from specdec import SamplingParams
+
+    params = SamplingParams(temperature=temperature, max_tokens=steps * (K + 1) + 8, ignore_eos=True, seed=1)
+    ids = [engine.add_request(prompt_token_ids=[(7 * i + j) % vocab for j in range(16)], params=params)
+           for i in range(batch)]
+    for _ in range(2):  # prefill, then one step to reach steady state
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()  # flush the abort outputs
+    return median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, nargs="+", default=[512, 128256], help="vocabulary sizes")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64], help="requests decoding together")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration and repetition")
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (the median is reported)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    add_record_flag(parser)
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    rows, results = [], []
+    for vocab in args.vocab:
+        folder = tempfile.mkdtemp(prefix=f"host_overhead_v{vocab}_")
+        try:
+            make_negligible_model(folder, vocab)
+            for batch in args.batch:
+                engines = build_engines(folder, batch)
+                samples: dict[str, list[float]] = {name: [] for name in MODES}
+                for _ in range(args.reps):  # interleaved A/B/C/D
+                    for name, (_, temperature) in MODES.items():
+                        samples[name].append(seconds_per_step(engines[name], batch, temperature, args.steps, vocab))
+                for name in MODES:
+                    ms = 1e3 * median(samples[name])
+                    results.append({"vocab": vocab, "batch": batch, "mode": name, "ms_per_step": ms,
+                                    "samples_ms": [1e3 * s for s in samples[name]]})
+                    rows.append([vocab, batch, name, f"{ms:.2f}"])
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    print_table(rows, ["vocab", "batch", "mode", "ms/step (speculative: per round)"])
+    path = write_json(f"host_overhead_t{args.threads}",
+                      {"machine": machine_info(), "threads": torch.get_num_threads(), "k": K, "steps": args.steps,
+                       "reps": args.reps, "results": results}, record=args.record)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""bench.host_overhead runs end to end on tiny settings (so the benchmark never rots) and reports every mode."""
+
+import json
+
+from bench import host_overhead
+
+
+def test_host_overhead_runs(tmp_path, monkeypatch):
+    import bench.common
+
+    monkeypatch.setattr(bench.common, "OUT_DIR", tmp_path)
+    assert host_overhead.main(["--vocab", "64", "--batch", "1", "2", "--steps", "2", "--reps", "1"]) == 0
+    data = json.loads((tmp_path / "host_overhead_t1.json").read_text())
+    got = {(r["batch"], r["mode"]) for r in data["results"]}
+    assert got == {(b, m) for b in (1, 2) for m in host_overhead.MODES}
+    assert all(r["ms_per_step"] > 0 for r in data["results"])
