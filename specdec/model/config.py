@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.model.linear import prepack_supported
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -154,11 +156,22 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling | None]:
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig | None = None) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig | None = None,
+                  device: str | torch.device | None = None) -> torch.dtype:
     """Map a user dtype ("float32" | "bfloat16" | "float16" | "auto" | torch.dtype) to a torch dtype.
 
-    "auto" takes the checkpoint's dtype, except that fp16 checkpoints run in fp32 on CPU (CPU fp16 matmuls are
-    slow and lossy); with no checkpoint dtype it is float32.
+    "auto" is the checkpoint's dtype (``config.torch_dtype``; float32 when it has none) on GPU. On CPU it is the
+    dtype measured fastest there (docs/benchmarks.md, "CPU dtype policy"):
+
+    - a bfloat16 checkpoint runs in bfloat16 where the CPU has native bf16 (avx512_bf16 or AMX) and torch has
+      oneDNN's prepacked linear (``prepack_supported``), which makes bf16 decode and verification faster than
+      float32; elsewhere in float32 (emulated bf16 is slower);
+    - a float16 checkpoint runs in float32 (an exact upcast; CPU fp16 matmuls are slow, and bf16 would round
+      the checkpoint's weights);
+    - a float32 checkpoint, or one with no dtype, runs in float32.
+
+    ``device``: where the model will run (a ``torch.device``, "cpu", "cuda" or "auto"); None or "auto" means
+    CUDA when torch sees one, else CPU - the engine's ``device="auto"``. Only "auto" depends on it.
     """
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
@@ -166,7 +179,24 @@ def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig | None = None) -
         return dtype
     if dtype == "auto":
         name = config.torch_dtype if config is not None else None
-        return DTYPES.get(name, torch.float32) if name != "float16" else torch.float32
+        checkpoint = DTYPES.get(name, torch.float32)
+        if _device_type(device) != "cpu":
+            return checkpoint
+        return auto_cpu_dtype(checkpoint)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; supported: {list(DTYPES)} or 'auto'")
     return DTYPES[dtype]
+
+
+def auto_cpu_dtype(checkpoint: torch.dtype) -> torch.dtype:
+    """The CPU half of ``resolve_dtype("auto")``: bfloat16 for a bf16 checkpoint where prepacked bf16 linears
+    exist, float32 otherwise."""
+    if checkpoint == torch.bfloat16 and prepack_supported(torch.bfloat16, torch.device("cpu")):
+        return torch.bfloat16
+    return torch.float32
+
+
+def _device_type(device: str | torch.device | None) -> str:
+    if device is None or device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type

@@ -1,4 +1,4 @@
-"""``Linear``: ``nn.Linear`` with an optional oneDNN-prepacked copy of its weight for CPU float32 windows.
+"""``Linear``: ``nn.Linear`` with an optional oneDNN-prepacked copy of its weight for CPU float32 / bfloat16.
 
 Why: speculative decoding pays off only if the target's forward over a k+1-token window costs about what a
 one-token decode costs (the layer is weight-bandwidth bound either way). On CPU, MKL's float32 GEMM
@@ -6,8 +6,15 @@ one-token decode costs (the layer is weight-bandwidth bound either way). On CPU,
 on every call: measured on SmolLM2-135M (1 thread), the LM head costs 13 ms for 1-3 rows and 26-45 ms for
 4-8, and a whole forward over 5 tokens 1.6x a decode step. oneDNN's prepacked weights (the format
 ``torch.compile``'s CPU freezing uses) cost the same for 1 to 16 rows but carry ~0.06 ms of fixed overhead
-per call, which loses for one row. So ``Linear`` keeps both: ``F.linear`` below ``PREPACK_MIN_ROWS`` rows
-(decode), the packed copy from there up (verification windows, batched decode, prefill).
+per call, which loses for one row. So a float32 ``Linear`` keeps both: ``F.linear`` below ``PREPACK_MIN_ROWS``
+rows (decode), the packed copy from there up (verification windows, batched decode, prefill).
+
+bfloat16 is different: ``F.linear`` in bf16 goes through oneDNN without a packed weight and reorders it on
+every call, for any row count (SmolLM2's LM head: 7.4 ms for 1 row, 10.3 ms for 5, 11.7 ms for 8), while the
+packed bf16 copy costs 4.5-5.6 ms for 1 to 5 rows and is faster than ``F.linear`` at every row count measured
+(1..20) on every SmolLM2 and Qwen2.5-0.5B shape. So a bfloat16 ``Linear`` uses its packed copy from one row up
+(``PREPACK_MIN_ROWS_BF16``). It is offered only on CPUs with native bf16 (avx512_bf16 or AMX): elsewhere oneDNN
+emulates bf16 and float32 is the fast dtype (see ``resolve_dtype``'s CPU policy).
 
 The packed copy doubles the memory of the linear weights; ``prepack_linears`` is therefore opt-out
 (``LLM(prepack_weights=False)``) and skipped when free memory is short. It is a plain attribute, not a
@@ -16,6 +23,7 @@ parameter or buffer: it is not in ``state_dict`` and is never moved between devi
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -24,33 +32,64 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PREPACK_MIN_ROWS = 4  # F.linear below this many rows, the prepacked weight from here up
+PREPACK_MIN_ROWS = 4  # float32: F.linear below this many rows, the prepacked weight from here up
+PREPACK_MIN_ROWS_BF16 = 1  # bfloat16: the prepacked weight for every row count (F.linear reorders per call)
 _PACK_BATCH_HINT = 8  # the row count oneDNN tunes the packed layout for (measured: good for 4..16 rows)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` for 2-D inputs ``x: [M, in_features]`` that uses ``packed_weight`` when it is set and
-    ``M >= PREPACK_MIN_ROWS``. Output ``[M, out_features]`` in ``x``'s dtype either way."""
+    ``M >= PREPACK_MIN_ROWS`` (float32) or ``M >= PREPACK_MIN_ROWS_BF16`` (bfloat16). Output
+    ``[M, out_features]`` in ``x``'s dtype either way; ``x`` must have the weight's dtype."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN-layout copy of ``weight``, set by ``prepack()``
+    packed_bf16: bool = False  # the packed copy is bfloat16: use it for every row count
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and x.dim() == 2 and x.shape[0] >= PREPACK_MIN_ROWS:
+        if self.packed_weight is not None and x.dim() == 2 and x.shape[0] >= (
+                PREPACK_MIN_ROWS_BF16 if self.packed_bf16 else PREPACK_MIN_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
         return nn.functional.linear(x, self.weight, self.bias)
 
     def prepack(self) -> None:
         """Build the packed copy from the current ``weight`` (call again after changing the weight)."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
+        weight = self.weight.detach()
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"prepack supports float32 and bfloat16 weights, not {weight.dtype}")
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
+        self.packed_bf16 = weight.dtype == torch.bfloat16
 
     def unpack(self) -> None:
         self.packed_weight = None
+        self.packed_bf16 = False
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True on CPUs with bf16 arithmetic in hardware (avx512_bf16 or AMX) where this torch's oneDNN uses it."""
+    def probe(name: str) -> bool:
+        fn = getattr(torch.cpu, name, None)
+        try:
+            return bool(fn()) if fn is not None else False
+        except Exception:  # noqa: BLE001 - a probe that fails means "not known to be there"
+            return False
+
+    if not (probe("_is_avx512_bf16_supported") or probe("_is_amx_tile_supported")):
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def prepack_supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """True where the packed path exists and measured faster: CPU, float32, a torch built with oneDNN."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """True where the packed path exists and measured faster: CPU, a torch built with oneDNN, and float32, or
+    bfloat16 on a CPU with native bf16 (``cpu_has_native_bf16``)."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return dtype == torch.float32 or cpu_has_native_bf16()
 
 
 def check_prepack_option(prepack_weights: object, dtype: torch.dtype, device: torch.device) -> None:
@@ -58,8 +97,8 @@ def check_prepack_option(prepack_weights: object, dtype: torch.dtype, device: to
     if prepack_weights not in (None, True, False):
         raise ValueError(f"prepack_weights must be None (where supported), True or False, got {prepack_weights!r}")
     if prepack_weights and not prepack_supported(dtype, device):
-        raise ValueError(f"prepack_weights=True needs a CPU float32 model and a torch with oneDNN; got {dtype} on "
-                         f"{device} (use None for 'where supported', or False)")
+        raise ValueError(f"prepack_weights=True needs a CPU float32 model (or bfloat16 on a CPU with native bf16) and "
+                         f"a torch with oneDNN; got {dtype} on {device} (use None for 'where supported', or False)")
 
 
 def _available_memory_bytes() -> int | None:

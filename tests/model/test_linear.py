@@ -71,3 +71,65 @@ def test_target_and_draft_models_follow_the_engine_setting(tiny_pair, setting):
     for model in (llm.engine.model, draft_model):
         packed = [m.packed_weight is not None for m in model.modules() if isinstance(m, Linear)]
         assert packed and all(packed) == (setting is None) and any(packed) == (setting is None)
+
+
+bf16_only = pytest.mark.skipif(not prepack_supported(torch.bfloat16, torch.device("cpu")),
+                               reason="no native bf16 on this CPU (or no oneDNN): bf16 is not prepacked")
+
+
+@bf16_only
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_matches_fp32_math_for_1_to_33_rows(bias):
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=bias).to(torch.bfloat16)
+    layer.prepack()
+    assert layer.packed_bf16
+    for rows in range(1, 34):
+        x = torch.randn(rows, 96).bfloat16()
+        out = layer(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 200)
+        # fp32 math on the same bf16 values; the only rounding left is the bf16 output (8 bits of mantissa)
+        bias32 = None if layer.bias is None else layer.bias.float()
+        expected = torch.nn.functional.linear(x.float(), layer.weight.float(), bias32)
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=2e-2, rtol=1e-2)
+
+
+@bf16_only
+def test_packed_bf16_path_is_taken_from_one_row(monkeypatch):
+    from specdec.model.linear import PREPACK_MIN_ROWS_BF16
+
+    layer = Linear(8, 8).to(torch.bfloat16)
+    layer.prepack()
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 2, 3, 4, 9):
+        layer(torch.randn(rows, 8).bfloat16())
+    assert PREPACK_MIN_ROWS_BF16 == 1 and calls == [1, 2, 3, 4, 9]
+    layer.unpack()
+    layer(torch.randn(4, 8).bfloat16())
+    assert calls == [1, 2, 3, 4, 9] and not layer.packed_bf16
+
+
+def test_prepack_is_refused_for_float16():
+    layer = Linear(8, 8).to(torch.float16)
+    with pytest.raises(ValueError, match="float32 and bfloat16"):
+        layer.prepack()
+    assert not prepack_supported(torch.float16, torch.device("cpu"))
+
+
+@bf16_only
+def test_bf16_model_is_prepacked_and_prompt_lookup_matches_plain_greedy(tiny_pair):
+    import specdec
+
+    target, _ = tiny_pair
+    llm = specdec.LLM(target, dtype="bfloat16")
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None and m.packed_bf16 for m in linears)
+    params = specdec.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = [[3, 17, 5, 9, 3, 17]]
+    packed = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0].token_ids
+    spec = specdec.LLM(target, dtype="bfloat16", speculative=specdec.SpeculativeConfig(
+        method="prompt_lookup", num_speculative_tokens=3))
+    assert spec.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0].token_ids == packed
