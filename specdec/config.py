@@ -60,7 +60,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
-        torch_dtype = resolve_dtype(dtype, model_config)
+        torch_dtype = resolve_dtype(dtype, model_config, dev)
         check_prepack_option(prepack_weights, torch_dtype, dev)
         limit = model_config.max_position_embeddings
         if max_model_len is None:

@@ -19,7 +19,8 @@ class LLM:
     Args:
         model: a local Hugging Face-style folder, a ``.gguf`` file (converted once and cached), or a hub repo id;
             None = the embedded default model, SmolLM2-135M-Instruct (``specdec.default_model_path()``).
-        dtype: "float32" | "bfloat16" | "float16" | "auto" (the checkpoint's dtype; fp32 for fp16 on CPU).
+        dtype: "float32" | "bfloat16" | "float16" | "auto": the checkpoint's dtype on GPU; on CPU the faster one
+            (bf16 checkpoints in bf16 on CPUs with native bf16, everything else in fp32; docs/benchmarks.md).
         device: "cpu" | "cuda" | "auto".
         max_model_len: longest prompt + output; default min(model limit, 8192).
         block_size: tokens per KV-cache block.

@@ -88,7 +88,7 @@ def test_one_bad_request_in_a_batch_rejects_the_call_before_anything_runs(llm):
     ({"max_model_len": 10**6}, "max_model_len must be an integer in"),
     ({"num_kv_blocks": 2}, "cannot hold one sequence"),
     ({"prepack_weights": "yes"}, "prepack_weights must be None"),
-    ({"prepack_weights": True, "dtype": "bfloat16"}, "prepack_weights=True needs a CPU float32 model"),
+    ({"prepack_weights": True, "dtype": "float16"}, "prepack_weights=True needs a CPU float32"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be an integer >= 1"),
     ({"max_num_batched_tokens": -5}, "max_num_batched_tokens"),
     ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),

@@ -61,7 +61,7 @@ class SpeculativeDecoder:
         draft_config = ModelConfig.from_json(path)
         check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
                                config.eos_token_ids, eos_ids(path, draft_config))
-        dtype = resolve_dtype(spec.draft_dtype, draft_config) if spec.draft_dtype else config.dtype
+        dtype = resolve_dtype(spec.draft_dtype, draft_config, config.device) if spec.draft_dtype else config.dtype
         # the draft writes positions up to max_model_len - 1 at most, like the target
         self.draft_max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
         model = load_model(path, dtype, config.device, self.draft_max_positions + 1, draft_config,
