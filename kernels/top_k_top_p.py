@@ -34,6 +34,7 @@ How the kept set is made exact and identical in the kernel and the reference:
 from typing import NamedTuple
 
 import torch
+
 from specdec.kernels._triton import tl, triton
 
 # NOTE: 2**42 * V <= 2**62 for V <= MAX_VOCAB and p <= 1, so int64 fixed-point masses cannot overflow.
