@@ -1,13 +1,15 @@
 """Row softmax with a per-row temperature, fp32 out, and a per-row flag for non-finite input.
 
 Kernel design: one program per row. The row is read in ``BLOCK``-wide chunks twice - pass 1 keeps an online
-(running) max and sum of exponentials and counts non-finite values, pass 2 writes ``exp(x / t - max) / sum``.
+(running) max and sum of exponentials and a count of finite values per lane (vectors of ``BLOCK``), reduced
+across lanes once after the loop, pass 2 writes ``exp(x / t - max) / sum``.
 All math is fp32 whatever the input dtype; row offsets are int64.
 """
 
 from typing import NamedTuple
 
 import torch
+
 from specdec.kernels._triton import tl, triton
 
 # NOTE: one program owns a whole row, so very long rows would leave the GPU idle for a long time; the largest
@@ -51,21 +53,28 @@ def _softmax_temperature_kernel(
     # Greedy rows (t == 0) are computed at t = 1, like the reference (`t > 0` is also False for NaN / negatives).
     t = tl.where(t > 0, t, 1.0)
 
-    # Pass 1: running max m and sum s of exp(x / t - m); count the finite values.
-    m = float("-inf")
-    s = 0.0
-    num_finite = 0
+    # Pass 1: per-lane running max m and sum s of exp(x / t - m), and per-lane counts of finite values; one
+    # block-wide reduction of each after the loop (not one per chunk: a reduction is a barrier and a shuffle tree).
+    m_lane = tl.full([BLOCK], float("-inf"), tl.float32)
+    s_lane = tl.zeros([BLOCK], tl.float32)
+    finite_lane = tl.zeros([BLOCK], tl.int32)
     for start in range(0, vocab, BLOCK):
         offs = start + cols
         mask = offs < vocab
         # NOTE: upcast right after the load (bf16 arithmetic is wrong in the interpreter); masked lanes are -inf
-        # so they add exp(-inf) = 0. Every chunk has at least one real lane, so m_new is finite in a good row.
+        # so they add exp(-inf) = 0.
         x = tl.load(logits_row + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        num_finite += tl.sum((tl.abs(x) < float("inf")).to(tl.int32), axis=0)  # False for NaN, +-inf, masked
+        finite_lane += (tl.abs(x) < float("inf")).to(tl.int32)  # False for NaN, +-inf, masked
         y = x / t
-        m_new = tl.maximum(m, tl.max(y, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), axis=0)
-        m = m_new
+        m_new = tl.maximum(m_lane, y)
+        # NOTE: a lane that has seen only -inf (masked lanes of a row shorter than BLOCK) keeps m = -inf; shift by
+        # 0 there so that it adds exp(-inf) = 0 instead of exp(-inf - -inf) = NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_lane = s_lane * tl.exp(m_lane - m_shift) + tl.exp(y - m_shift)
+        m_lane = m_new
+    m = tl.max(m_lane, axis=0)  # finite in a good row; lanes at -inf add 0 * exp(-inf) = 0 below
+    s = tl.sum(s_lane * tl.exp(m_lane - m), axis=0)
+    num_finite = tl.sum(finite_lane, axis=0)
 
     # Pass 2: normalised probabilities. Bad rows (a value is not finite) hold garbage here; the caller raises.
     inv_s = 1.0 / s

@@ -36,8 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from specdec.kernels._triton import tl, triton
 
+from specdec.kernels._triton import tl, triton
 from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
@@ -75,12 +75,18 @@ def _argmax_over_noise(
     vocab_size,
     BLOCK_V: tl.constexpr,
 ):
-    """(argmax_v max(p_v - q_v, 0) / E_v, max_v max(p_v - q_v, 0)) with E_v = -log(philox(seed, position, v))."""
-    best_score = tl.full([], -1.0, tl.float32)
-    best_index = tl.full([], 0, tl.int32)
-    max_residual = tl.full([], 0.0, tl.float32)
+    """(argmax_v max(p_v - q_v, 0) / E_v, max_v max(p_v - q_v, 0)) with E_v = -log(philox(seed, position, v)).
+
+    Per-lane running state (vectors of BLOCK_V: best score, its index, max residual), reduced across lanes once
+    after the loop. Ties resolve to the lowest index, like torch.argmax: within a lane a later chunk must be
+    strictly better, and across lanes the smallest index among the lanes holding the maximum wins.
+    """
+    lanes = tl.arange(0, BLOCK_V)
+    best_score = tl.full([BLOCK_V], -1.0, tl.float32)  # below every real score (>= 0)
+    best_index = lanes  # int32; a lane that never sees a token keeps score -1 and is never chosen
+    max_residual = tl.zeros([BLOCK_V], tl.float32)
     for start in range(0, vocab_size, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+        offs = start + lanes  # (BLOCK_V,)
         in_vocab = offs < vocab_size
         p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
         q = tl.load(q_row_ptr + offs, mask=tl.where(load_q, in_vocab, False), other=0.0)
@@ -88,13 +94,13 @@ def _argmax_over_noise(
         residual = tl.maximum(p - q, 0.0)
         noise = -tl.log(philox_uniform_tl(seed, position, _STREAM_RESIDUAL, offs))  # Exp(1), finite, > 0
         score = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
-        chunk_best = tl.max(score, 0)
-        chunk_index = tl.argmax(score, 0)  # first index of the max, like torch.argmax
-        better = chunk_best > best_score  # strict: an earlier chunk wins ties, as in a global argmax
-        best_index = tl.where(better, start + chunk_index, best_index)
-        best_score = tl.where(better, chunk_best, best_score)
-        max_residual = tl.maximum(max_residual, tl.max(residual, 0))
-    return best_index, max_residual
+        better = score > best_score  # strict: the lane's earlier (lower) index wins ties
+        best_index = tl.where(better, offs, best_index)
+        best_score = tl.where(better, score, best_score)
+        max_residual = tl.maximum(max_residual, residual)
+    top = tl.max(best_score, 0)
+    index = tl.min(tl.where(best_score == top, best_index, 0x7FFFFFFF), 0)  # lowest index among the tied lanes
+    return index, tl.max(max_residual, 0)
 
 
 @triton.jit(do_not_specialize=["max_num_draft_tokens"])
