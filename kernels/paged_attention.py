@@ -17,11 +17,11 @@ import math
 from typing import NamedTuple
 
 import torch
-from specdec.kernels._triton import tl, triton
 
+from specdec.kernels._triton import tl, triton
 from specdec.kernels.paged_attention_reference import paged_attention_reference
 
-__all__ = ["paged_attention", "paged_attention_reference", "launch_plan", "attention_configs"]
+__all__ = ["paged_attention", "paged_attention_reference", "launch_plan", "attention_configs", "num_kv_splits"]
 
 
 @triton.jit
@@ -33,7 +33,7 @@ def _attend_tile(
     bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     offs_d, d_ok, scale_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    TREE: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr,
+    TREE: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over a KV tile; MASKED=False when every key of the tile is visible to every row."""
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
@@ -44,7 +44,8 @@ def _attend_tile(
     k = tl.load(k_head_ptr + k_off[None, :] + offs_d[:, None], mask=d_ok[:, None] & pos_ok[None, :], other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
-    s = tl.dot(q, k) * scale_log2  # [BLOCK_M, BLOCK_N] (K loaded transposed: [HEAD_DIM_PAD, BLOCK_N])
+    # [BLOCK_M, BLOCK_N] (K loaded transposed: [HEAD_DIM_PAD, BLOCK_N])
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         if TREE:
             j = pos - prefix  # index among the new tokens; < 0 in the context prefix
@@ -63,9 +64,9 @@ def _attend_tile(
     v_off = blk * stride_v_blk + slot * stride_v_tok
     v = tl.load(v_head_ptr + v_off[:, None] + offs_d[None, :], mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=DOT_PRECISION)
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -103,6 +104,7 @@ def _paged_attention_kernel(
     TREE: tl.constexpr,  # packed tree mask over the new tokens (else causal)
     SPLIT: tl.constexpr,  # write partial softmax state for the reduce kernel (else the final output)
     DOT_F32: tl.constexpr,  # upcast K/V/P to fp32 before tl.dot (the interpreter's bf16 dot is wrong)
+    DOT_PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands, None (default) otherwise
 ):  # fmt: skip
     pid_q = tl.program_id(0)  # global q tile, over all sequences (see the launcher's grid)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -179,7 +181,7 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, t, kv_end, prefix, q_idx, mask_seq_ptr, mask_rows,
             bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N, TREE, False, DOT_F32,
+            offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N, TREE, False, DOT_F32, DOT_PRECISION,
         )  # fmt: skip
     SUB: tl.constexpr = BLOCK_N // BLOCK_N_MASKED
     masked_hi = tl.minimum(tile_hi * SUB, tl.cdiv(kv_end, BLOCK_N_MASKED))
@@ -187,7 +189,7 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, t, kv_end, prefix, q_idx, mask_seq_ptr, mask_rows,
             bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
-            offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N_MASKED, TREE, True, DOT_F32,
+            offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N_MASKED, TREE, True, DOT_F32, DOT_PRECISION,
         )  # fmt: skip
 
     row_ok = offs_m < num_rows
@@ -246,8 +248,10 @@ def _paged_attention_reduce_kernel(
 _LOG2E = 1.4426950408889634
 _MAX_BLOCK_M = 64  # rows (token, query head) per program
 _MASKED_BLOCK_N = 16  # keys per tile in the masked loop (the last tiles), where the mask costs registers
-_MIN_KEYS_PER_SPLIT = 256  # a split shorter than this costs more in the reduce than it wins in parallelism
-_MAX_SPLITS = 64
+# A split shorter than this costs more in its fixed work (q load, partial-state store, the reduce's read) than it
+# wins in parallelism: 32 keys of K and V are 4x to 8x the bytes of the GROUP partial rows it writes (D >= 64).
+_MIN_KEYS_PER_SPLIT = 32
+_MAX_SPLITS = 64  # the reduce kernel holds SPLITS_PAD x HEAD_DIM_PAD fp32 partial outputs in registers
 _DEFAULT_NUM_SMS = 132  # H100 SXM; only sizes splits where no CUDA device is there to ask (interpreter, meta)
 # Triton decides at decoration time whether a jit function is compiled or interpreted (TRITON_INTERPRET).
 _INTERPRETED = not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
@@ -293,9 +297,14 @@ def attention_configs(head_dim: int, group: int, q_len: int, dtype: torch.dtype)
     # Registers hold the fp32 accumulator (BLOCK_M x D) and the score tile (BLOCK_M x BLOCK_N); K and V tiles
     # (BLOCK_N x D each) are staged through shared memory.
     block_n = 64 if block_m * head_dim_pad <= 2048 else 32
+    num_warps = 8 if block_m * head_dim_pad >= 8192 else 4
     if dtype == torch.float32:
         block_n //= 2
-    num_warps = 8 if block_m * head_dim_pad >= 8192 else 4
+        # NOTE: fp32 dots are IEEE (no tensor cores: FMA-based, operands in registers). With 4 warps ptxas spills
+        # hundreds of bytes inside the KV loop on sm_90 at D = 128 (255 registers); 8 warps halve each thread's
+        # share of the tiles and compile to ~64-80 registers without spills on sm_80 and sm_90.
+        if block_m * head_dim_pad >= 2048:
+            num_warps = 8
     constexprs = {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "BLOCK_N": block_n,
                   "BLOCK_N_MASKED": min(block_n, _MASKED_BLOCK_N)}  # fmt: skip
     return [AttentionConfig(constexprs, num_warps=num_warps, num_stages=2)]
@@ -306,21 +315,41 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_kv_splits(num_programs: int, max_kv_len: int, device: torch.device) -> int:
-    """KV splits per program so that ~2 waves of programs fill the GPU, each split covering >= 256 keys.
+def num_kv_splits(
+    num_programs: int,
+    max_kv_len: int,
+    device: torch.device,
+    *,
+    min_keys: int = _MIN_KEYS_PER_SPLIT,
+    num_sms: int | None = None,
+) -> int:
+    """KV splits per program: the fewest with ``num_programs * splits >= num_sms`` (so one to two waves of CTAs
+    fill every SM), as long as each split keeps ``>= min_keys`` keys; at most ``_MAX_SPLITS``; 1 when the
+    programs alone fill the GPU.
 
-    ``max_kv_len`` is the block table's capacity (width x block size), a bound known without a host sync;
-    the splits past a shorter sequence's end exit at once.
+    ``num_programs``: (q tile, KV head) programs that have work. ``max_kv_len`` is the block table's capacity
+    (width x block size), a bound known without a host sync; the splits past a shorter sequence's end exit at
+    once. ``num_sms``: default the device's SM count (``_DEFAULT_NUM_SMS`` off CUDA).
     """
-    if device.type == "cuda":
-        num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    else:
-        num_sms = _DEFAULT_NUM_SMS
+    if num_sms is None:
+        if device.type == "cuda":
+            num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        else:
+            num_sms = _DEFAULT_NUM_SMS
     if num_programs == 0 or num_programs >= num_sms:
         return 1
-    by_occupancy = triton.cdiv(2 * num_sms, num_programs)
-    by_length = triton.cdiv(max_kv_len, _MIN_KEYS_PER_SPLIT)
+    by_occupancy = triton.cdiv(num_sms, num_programs)
+    by_length = max_kv_len // min_keys  # floor: every split (but the ragged last one) covers >= min_keys keys
     return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+
+
+def split_block_n(block_n: int, max_kv_len: int, num_splits: int) -> int:
+    """BLOCK_N for a split launch: at most the largest power of two <= keys per split (so that a split is not
+    one partly empty tile) and not below ``_MIN_KEYS_PER_SPLIT`` (32) nor above the configuration's own."""
+    if num_splits == 1:
+        return block_n
+    keys = max(1, max_kv_len // num_splits)
+    return min(block_n, max(_MIN_KEYS_PER_SPLIT, 1 << (keys.bit_length() - 1)))
 
 
 def launch_plan(
@@ -351,13 +380,20 @@ def launch_plan(
     device = q.device
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=device)
 
-    cfg = attention_configs(head_dim, group, triton.cdiv(num_tokens, max(num_seqs, 1)), q.dtype)[0]
+    q_len_estimate = triton.cdiv(num_tokens, max(num_seqs, 1))
+    cfg = attention_configs(head_dim, group, q_len_estimate, q.dtype)[0]
+    block_q = cfg.constexprs["BLOCK_Q"]
     # Sequence b gets cu[b+1] // BLOCK_Q - cu[b] // BLOCK_Q + 1 >= cdiv(q_len, BLOCK_Q) tiles (spares exit).
-    num_q_tiles = num_tokens // cfg.constexprs["BLOCK_Q"] + num_seqs
+    num_q_tiles = num_tokens // block_q + num_seqs
+    max_kv_len = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = num_kv_splits(num_q_tiles * num_kv_heads, block_tables.shape[1] * block_size, device)
+        # Programs with work when every sequence has the same q_len (the grid's spare tiles exit at once).
+        busy_tiles = num_seqs * triton.cdiv(q_len_estimate, block_q)
+        num_splits = num_kv_splits(busy_tiles * num_kv_heads, max_kv_len, device)
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits must be in [1, 1024], got {num_splits}")
+    tile_constexprs = dict(cfg.constexprs)
+    tile_constexprs["BLOCK_N"] = split_block_n(cfg.constexprs["BLOCK_N"], max_kv_len, num_splits)
     split = num_splits > 1
     tree = tree_mask is not None
     if split:
@@ -386,11 +422,14 @@ def launch_plan(
         "stride_pm_tok": part_m.stride(1) if split else 0,
     }  # fmt: skip
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    dot_f32 = (_INTERPRETED if interpret is None else interpret) and q.dtype == torch.bfloat16
     constexprs = {
         "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad, "BLOCK_SIZE": block_size, "GROUP": group,
-        **cfg.constexprs, "TREE": tree, "SPLIT": split,
+        **tile_constexprs, "TREE": tree, "SPLIT": split,
         # bf16 tl.dot is wrong in the interpreter (TRITON_ON_CPU.md); fp16/fp32 dots are exact there.
-        "DOT_F32": (_INTERPRETED if interpret is None else interpret) and q.dtype == torch.bfloat16,
+        "DOT_F32": dot_f32,
+        # fp32 means fp32: tl.dot's default input precision on a GPU is tf32 (10-bit mantissa operands).
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 or dot_f32 else None,
     }  # fmt: skip
     reduce_grid = reduce_args = reduce_constexprs = None
     if split:

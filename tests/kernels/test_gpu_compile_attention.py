@@ -3,7 +3,8 @@ launcher's own configuration choice (``launch_plan`` on ``meta`` tensors) and ch
 loop) and shared memory.
 
 Shapes: the Llama-3.2 / Qwen2.5 models the design targets, decode (q_len 1) and verification (q_len 2..9,
-causal and tree), one and several KV splits, fp16 and bf16. ``pytest -s`` prints the resource table.
+causal and tree), one and several KV splits, fp16, bf16 and fp32 (IEEE fp32 dots, not tf32), and batch-1
+decodes whose default split rule shrinks BLOCK_N to 32. ``pytest -s`` prints the resource table.
 The ``triton36`` test repeats the check with triton 3.6.0 (the GPU image's version) in its own venv.
 """
 
@@ -25,7 +26,7 @@ MODELS = {  # name: (Hq, Hkv, D)
     "Qwen2.5-1.5B": (12, 2, 128),
 }
 ARCHS = (80, 90)
-DTYPES = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 Q_LENS = range(1, 10)  # decode, then k + 1 for k = 1..8 drafted tokens
 BLOCK_SIZE = 16
 NUM_SEQS = 4
@@ -39,35 +40,46 @@ COLD_SPILL_LIMIT = 16  # bytes per thread
 WORKERS = 2
 
 
+def _plan(hq, hkv, d, dtype, q_len, tree, num_splits, num_seqs=NUM_SEQS, max_blocks=MAX_BLOCKS):
+    meta = torch.device("meta")
+    tokens = num_seqs * q_len
+    cache = (num_seqs * max_blocks, BLOCK_SIZE, hkv, d)
+    tree_args = ()
+    if tree:
+        tree_args = (torch.empty(num_seqs * q_len**2, dtype=torch.bool, device=meta),
+                     torch.empty(num_seqs + 1, dtype=torch.int32, device=meta))  # fmt: skip
+    return pa.launch_plan(
+        torch.empty(tokens, hq, d, dtype=dtype, device=meta),
+        torch.empty(cache, dtype=dtype, device=meta),
+        torch.empty(cache, dtype=dtype, device=meta),
+        torch.empty(num_seqs, max_blocks, dtype=torch.int32, device=meta),
+        torch.empty(num_seqs, dtype=torch.int32, device=meta),
+        torch.empty(num_seqs + 1, dtype=torch.int32, device=meta),
+        d**-0.5,
+        *tree_args,
+        num_splits=num_splits,
+        interpret=False,
+    )
+
+
 def _plans():
     """(label, LaunchPlan) for every shape x dtype x mask x split variant, from the launcher's own choices."""
-    meta = torch.device("meta")
     for model, (hq, hkv, d) in MODELS.items():
         for dtype in DTYPES:
             for q_len in Q_LENS:
                 for tree in (False, True) if q_len > 1 else (False,):
                     # NOTE: the split variant differs only in its epilogue (fp32 partial stores), which does not
-                    # depend on the dtype: compile it for fp16 only, to keep this test's compile count down.
-                    for num_splits in (1, 4) if dtype == torch.float16 else (1,):
-                        tokens = NUM_SEQS * q_len
-                        cache = (NUM_SEQS * MAX_BLOCKS, BLOCK_SIZE, hkv, d)
-                        tree_args = ()
-                        if tree:
-                            tree_args = (torch.empty(NUM_SEQS * q_len**2, dtype=torch.bool, device=meta),
-                                         torch.empty(NUM_SEQS + 1, dtype=torch.int32, device=meta))  # fmt: skip
-                        plan = pa.launch_plan(
-                            torch.empty(tokens, hq, d, dtype=dtype, device=meta),
-                            torch.empty(cache, dtype=dtype, device=meta),
-                            torch.empty(cache, dtype=dtype, device=meta),
-                            torch.empty(NUM_SEQS, MAX_BLOCKS, dtype=torch.int32, device=meta),
-                            torch.empty(NUM_SEQS, dtype=torch.int32, device=meta),
-                            torch.empty(NUM_SEQS + 1, dtype=torch.int32, device=meta),
-                            d**-0.5,
-                            *tree_args,
-                            num_splits=num_splits,
-                            interpret=False,
-                        )
-                        yield f"{model} {str(dtype)[6:]} q_len={q_len}", plan
+                    # depend on the half dtype: compile it for fp16 (not bf16), to keep the compile count down; and
+                    # for fp32, whose IEEE (FMA) dots compile to other register allocations.
+                    for num_splits in (1, 4) if dtype != torch.bfloat16 else (1,):
+                        yield f"{model} {str(dtype)[6:]} q_len={q_len}", _plan(hq, hkv, d, dtype, q_len, tree,
+                                                                               num_splits)  # fmt: skip
+            # Batch-1 decode at context 512 with the default split rule: many short splits, BLOCK_N shrunk to 32.
+            plan = _plan(hq, hkv, d, dtype, 1, False, None, num_seqs=1, max_blocks=512 // BLOCK_SIZE)
+            assert plan.reduce_grid is not None
+            yield f"{model} {str(dtype)[6:]} batch 1 ctx 512 default splits", plan
+        # The reduce kernel at the most splits the rule picks (SPLITS_PAD x D fp32 partial outputs in registers).
+        yield f"{model} float16 {pa._MAX_SPLITS} splits", _plan(hq, hkv, d, torch.float16, 1, False, pa._MAX_SPLITS)
 
 
 def _jobs():
@@ -116,7 +128,7 @@ def test_configs_cover_every_shape_with_legal_tiles():
     for hq, hkv, d in MODELS.values():
         group = hq // hkv
         for q_len in Q_LENS:
-            for dtype in (*DTYPES, torch.float32):
+            for dtype in DTYPES:
                 for cfg in pa.attention_configs(d, group, q_len, dtype):
                     c = cfg.constexprs
                     assert c["BLOCK_M"] >= 16 and c["BLOCK_N"] >= 16 and c["BLOCK_N_MASKED"] >= 16  # tl.dot minimum
