@@ -9,7 +9,14 @@ tile of ``BLOCK_Q`` new tokens; the ``GROUP = Hq // Hkv`` query heads that share
 form the ``BLOCK_M`` rows of the score tile, so every K/V tile is read once per GQA group and ``tl.dot`` gets
 M >= 16 even for decode. Keys are gathered token by token through the block table (any block size, blocks in
 any physical order). When there are too few (q tile, KV head) programs to fill the GPU, each program's KV range
-is split over several programs (flash-decoding) and a second kernel merges their partial softmaxes.
+is split over several programs (flash-decoding) and a second kernel merges their partial softmaxes: the fewest
+splits that give one wave of CTAs on the GPU's SMs, none shorter than 32 keys (``num_kv_splits``).
+
+Precision: fp32 inputs mean fp32 math. Both dots (Q @ K^T and P @ V) pass ``input_precision=DOT_PRECISION``, which
+the launcher sets to ``"ieee"`` for fp32 operands; Triton's default on a GPU is tf32 (operands rounded to a 10-bit
+mantissa, ~1e-3 relative error). IEEE fp32 dots run on the FMA units, not tensor cores, so an fp32 launch is
+slower than a half-precision one; fp32 is the exactness path (tests, debugging), not the fast one. fp16/bf16
+dots are unchanged (``DOT_PRECISION=None``: tensor cores, fp32 accumulation).
 """
 
 import functools
@@ -302,7 +309,7 @@ def attention_configs(head_dim: int, group: int, q_len: int, dtype: torch.dtype)
         block_n //= 2
         # NOTE: fp32 dots are IEEE (no tensor cores: FMA-based, operands in registers). With 4 warps ptxas spills
         # hundreds of bytes inside the KV loop on sm_90 at D = 128 (255 registers); 8 warps halve each thread's
-        # share of the tiles and compile to ~64-80 registers without spills on sm_80 and sm_90.
+        # share of the tiles and compile without spills on sm_80 and sm_90 (61-68 registers for decode at D = 128).
         if block_m * head_dim_pad >= 2048:
             num_warps = 8
     constexprs = {"BLOCK_M": block_m, "BLOCK_Q": block_m // group, "BLOCK_N": block_n,
