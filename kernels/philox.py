@@ -122,7 +122,7 @@ def row_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: i
     seed = seeds.long()[:, None]  # (R, 1)
     position = positions.long().to(device)[:, None]
     words = _words(seed, position, stream, blocks.expand(rows, -1))  # 4 x (R, ceil(n/4))
-    bits = torch.stack(words, dim=-1).reshape(rows, -1)[:, :n]  # (R, n): index i is word i % 4 of block i // 4
+    bits = torch.stack(words, dim=-1).reshape(rows, 4 * blocks.shape[1])[:, :n]  # (R, n): word i % 4 of block i // 4
     return uint32_to_uniform(bits)
 
 
@@ -134,7 +134,7 @@ def _row_uniforms_numpy(seeds: torch.Tensor, positions: torch.Tensor, stream: in
     blocks = np.broadcast_to(np.arange((n + 3) // 4, dtype=np.uint64)[None, :], (seed.shape[0], (n + 3) // 4))
     words = _philox4x32_numpy((seed & mask, seed >> shift),
                               (blocks, position & mask, position >> shift, np.full_like(blocks, stream & _MASK32)))
-    bits = np.stack(words, axis=-1).reshape(seed.shape[0], -1)[:, :n]  # (R, n): index i is word i % 4 of block i // 4
+    bits = np.stack(words, axis=-1).reshape(seed.shape[0], 4 * blocks.shape[1])[:, :n]  # (R, n)
     u = ((bits >> np.uint64(9)) * np.uint64(2) + np.uint64(1)).astype(np.float32) * np.float32(2.0**-24)
     return torch.from_numpy(u)
 

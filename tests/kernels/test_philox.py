@@ -47,6 +47,14 @@ def test_torch_and_numpy_rows_are_bit_identical(n, stream):
     assert bool(((numpy_rows > 0) & (numpy_rows < 1)).all())
 
 
+def test_zero_rows_and_zero_columns():
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert row_uniforms(empty, empty, 0, 7).shape == (0, 7)
+    assert philox_uniform(empty[:, None], empty[:, None], 0, torch.arange(7)[None, :]).shape == (0, 7)
+    seeds, positions = _seeds_and_positions(3)
+    assert row_uniforms(seeds, positions, 0, 0).shape == (3, 0)
+
+
 def test_different_streams_positions_and_seeds_draw_different_numbers():
     seeds, positions = _seeds_and_positions(4)
     base = row_uniforms(seeds, positions, 0, 64)
