@@ -63,8 +63,9 @@ class DraftModelDrafter:
             for i in active:
                 self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
             tokens, probs = self._sample(logits, [seqs[i] for i in active], [drafts[i] for i in active])
+            step_tokens = tokens.tolist()  # one host read per draft step, whatever the batch
             for row, i in enumerate(active):
-                drafts[i].append(int(tokens[row]))
+                drafts[i].append(step_tokens[row])
                 q_rows[i].append(probs[row] if probs is not None else None)
             step += 1
             active = [i for i in active if num_tokens[i] > step]
