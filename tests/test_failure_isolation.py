@@ -1,9 +1,10 @@
 """Fault injection: a failure inside any stage of a step ends only the request it belongs to.
 
-For a batch of 4, one request is made to fail inside one stage of a step (drafting, the target forward, its
-NaN logits row, sampling, verification, the rollback, detokenisation). The other three must produce exactly
-the tokens of an unfaulted run, the failed one ends with finish_reason "error" and a message, no block is
-leaked in either pool, and the engine serves new requests afterwards. Plain and speculative, greedy and sampled.
+For a batch of 4, one request is made to fail inside one stage of a step (drafting, its NaN draft logits, the
+target forward, its NaN logits row, sampling, verification, the rollback, detokenisation). The other three must
+produce exactly the tokens of an unfaulted run, the failed one ends with finish_reason "error" and a message,
+no block is leaked in either pool, and the engine serves new requests afterwards. Plain and speculative, greedy
+and sampled.
 
 The faults are injected at names that exist in the engine before and after the failure-isolation rework
 (runner.forward, drafter.propose, plain_step.sample_next_tokens, speculative.verify, truncate_to,
@@ -105,6 +106,19 @@ def _inject(monkeypatch, engine, stage: str) -> None:
             return logits
 
         monkeypatch.setattr(engine.runner, "forward", faulty_forward)
+    elif stage == "draft_nan_logits":
+        drafter = engine.speculative.drafter
+        draft_forward = drafter.runner.forward
+
+        def nan_draft_forward(items, input_ids=None):
+            logits = draft_forward(items, input_ids=input_ids)
+            rows = [r for r, it in enumerate(items) if (s := seq_of(it.seq_id)) is not None and _is_victim(s)]
+            if rows:
+                logits = logits.clone()
+                logits[rows] = float("nan")
+            return logits
+
+        monkeypatch.setattr(drafter.runner, "forward", nan_draft_forward)
     elif stage == "draft":
         propose = engine.speculative.drafter.propose
 
@@ -157,7 +171,8 @@ def _inject(monkeypatch, engine, stage: str) -> None:
 
 CASES = (
     [("plain", stage) for stage in ("forward", "nan_logits", "sample", "detokenize")]
-    + [("speculative", stage) for stage in ("draft", "forward", "nan_logits", "verify", "rollback", "detokenize")]
+    + [("speculative", stage) for stage in ("draft", "draft_nan_logits", "forward", "nan_logits", "verify", "rollback",
+                                            "detokenize")]
 )
 
 
@@ -172,7 +187,8 @@ def test_a_fault_in_one_request_leaves_the_others_untouched(engines, monkeypatch
         faulted = _run(engine, sampled)
     victim = faulted[VICTIM]
     assert victim.outputs[0].finish_reason == "error", f"the victim ended with {victim.outputs[0].finish_reason}"
-    expected = "non-finite logits" if stage == "nan_logits" else "for the victim"
+    expected = {"nan_logits": "non-finite logits", "draft_nan_logits": "non-finite draft logits"}.get(
+        stage, "for the victim")
     assert victim.error is not None and expected in victim.error
     # the victim got as far as its fault: its tokens are a prefix of the clean run's
     assert victim.outputs[0].token_ids == clean[VICTIM].outputs[0].token_ids[: len(victim.outputs[0].token_ids)]

@@ -239,10 +239,10 @@ def plant_unfiltered_q(monkeypatch):
     """(b) drafts are still drawn from the filtered q, but the accept test / residual get the unfiltered q."""
     real = sampler_module.sample_rows
 
-    def sample_rows(logits, params, *args):
-        tokens, _ = real(logits, params, *args)
+    def sample_rows(logits, params, *args, **kwargs):
+        tokens, _ = real(logits, params, *args, **kwargs)
         unfiltered = [dataclasses.replace(p, top_k=0, top_p=1.0, min_p=0.0) for p in params]
-        return tokens, real(logits, unfiltered, *args)[1]
+        return tokens, real(logits, unfiltered, *args, **{**kwargs, "bad_rows": []})[1]
 
     monkeypatch.setattr(draft_model_module, "sample_rows", sample_rows)
 

@@ -43,8 +43,15 @@ class DraftModelDrafter:
         self.on_forward = None  # optional callback (batch_size, seconds) per draft forward, for the cost model
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
-        drafts: list[list[int]] = [[] for _ in seqs]
+        """Draft ``num_tokens[i]`` tokens for ``seqs[i]``, batched: k steps, each one forward over the requests
+        still drafting. The drafted ids stay on the device between steps and are read once, after the last
+        step (with the NaN/inf check of every step), unless a request uses penalties: their context needs the
+        drafts so far on the host, so then each step reads its tokens."""
         q_rows: list[list[torch.Tensor | None]] = [[] for _ in seqs]
+        step_tokens: list[torch.Tensor] = []  # per step: int64 [len(active)] drafted ids, on the device
+        step_rows: list[list[int]] = []  # per step: which requests the rows of step_tokens belong to
+        bad_rows: list[torch.Tensor] = []  # per step: bool [len(active)] rows with NaN/inf draft logits
+        host_drafts: list[list[int]] | None = [[] for _ in seqs] if any(s.params.has_penalties for s in seqs) else None
         active = [i for i, k in enumerate(num_tokens) if k > 0]
         # Step 0 feeds everything the draft cache lacks (lazy prefill / catch-up) and drafts the first token.
         items = []
@@ -52,24 +59,34 @@ class DraftModelDrafter:
             seq = seqs[i]
             have = self.kv_len.get(seq.seq_id, 0)
             items.append(ForwardItem(seq.seq_id, self._in_vocab(seq.all_token_ids[have:]), have, 1))
+        input_ids = None  # after step 0: the previous step's drafts, still on the device
         step = 0
         while items:
             start = time.perf_counter()
-            logits = self.runner.forward(items)  # (len(items), V_draft)
+            logits = self.runner.forward(items, input_ids=input_ids)  # (len(items), V_draft)
             if self.on_forward is not None and step > 0:  # step 0 includes catch-up; time pure draft steps
                 if logits.is_cuda:
                     torch.cuda.synchronize()
                 self.on_forward(len(items), time.perf_counter() - start)
             for i in active:
                 self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
-            tokens, probs = self._sample(logits, [seqs[i] for i in active], [drafts[i] for i in active])
-            step_tokens = tokens.tolist()  # one host read per draft step, whatever the batch
+            tokens, probs = self._sample(logits, [seqs[i] for i in active], step,
+                                         [host_drafts[i] for i in active] if host_drafts else None, bad_rows)
+            step_tokens.append(tokens)
+            step_rows.append(active)
+            if host_drafts is not None:
+                for i, t in zip(active, tokens.tolist()):  # penalties need the drafts on the host every step
+                    host_drafts[i].append(t)
             for row, i in enumerate(active):
-                drafts[i].append(step_tokens[row])
                 q_rows[i].append(probs[row] if probs is not None else None)
             step += 1
-            active = [i for i in active if num_tokens[i] > step]
-            items = [ForwardItem(seqs[i].seq_id, [drafts[i][-1]], seqs[i].num_tokens + step - 1, 1) for i in active]
+            keep = [row for row, i in enumerate(active) if num_tokens[i] > step]
+            active = [active[row] for row in keep]
+            input_ids = tokens if len(keep) == len(tokens) else tokens[torch.tensor(keep, dtype=torch.int64,
+                                                                                      device=tokens.device)]
+            items = [ForwardItem(seqs[i].seq_id, [UNKNOWN_ID_STANDIN], seqs[i].num_tokens + step - 1, 1)
+                     for i in active]  # the ids themselves come from input_ids
+        drafts = self._read_drafts(seqs, step_tokens, step_rows, bad_rows)
         is_onehot = [seq.params.is_greedy for seq in seqs]  # greedy drafts are deterministic: q is one-hot
         flat_q = [q for i, rows in enumerate(q_rows) if not is_onehot[i] for q in rows]
         probs = None
@@ -91,17 +108,45 @@ class DraftModelDrafter:
             return ids
         return [t if t < self.vocab_size else UNKNOWN_ID_STANDIN for t in ids]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]):
+    def _read_drafts(self, seqs: list[Sequence], step_tokens: list[torch.Tensor], step_rows: list[list[int]],
+                     bad_rows: list[torch.Tensor]) -> list[list[int]]:
+        """The drafts of every request, from the device in one read; ``FloatingPointError`` naming the requests
+        whose draft logits were NaN/inf at some step."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if not step_tokens:
+            return drafts
+        flat = torch.cat([torch.cat(step_tokens), torch.cat(bad_rows).long()]).tolist()  # the one host read
+        n = len(flat) // 2
+        ids, bad = flat[:n], flat[n:]
+        pos, failed = 0, set()
+        for rows in step_rows:
+            for i in rows:
+                drafts[i].append(ids[pos])
+                if bad[pos]:
+                    failed.add(i)
+                pos += 1
+        if failed:
+            names = sorted(seqs[i].request_id for i in failed)
+            raise FloatingPointError(f"non-finite draft logits (NaN or inf) for requests {names}; "
+                                     "refusing to sample from them")
+        return drafts
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], step: int, drafts: list[list[int]] | None,
+                bad_rows: list[torch.Tensor]):
         """Draw the next draft token of each row from q, the standardized draft distribution (same transform and
-        the same penalty context - prompt + output + earlier drafts - as the target's p)."""
+        the same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts
+        so far on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into
+        ``bad_rows``, not raised, so that the check costs no host read here."""
         return sample_rows(
             logits,
             [s.params for s in seqs],
             [s.seed for s in seqs],
-            [s.num_tokens + len(d) for s, d in zip(seqs, drafts)],
-            [self._known(s.prompt_token_ids) for s in seqs],
-            [self._known(s.output_token_ids) + d for s, d in zip(seqs, drafts)],
+            [s.num_tokens + step for s in seqs],
+            [self._known(s.prompt_token_ids) for s in seqs] if drafts is not None else [[] for _ in seqs],
+            [self._known(s.output_token_ids) + d for s, d in zip(seqs, drafts)] if drafts is not None
+            else [[] for _ in seqs],
             STREAM_DRAFT,
+            bad_rows=bad_rows,
         )
 
     def _known(self, ids: list[int]) -> list[int]:

@@ -29,13 +29,15 @@ class ModelRunner:
         self.device = device
         self.num_forwards = 0
 
-    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
+    def forward(self, items: list[ForwardItem], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one forward over ``items``; fp32 logits ``[sum(num_logits), V]`` in item order.
 
         The block manager must already hold slots for every new token (``start_pos + len(token_ids)``).
+        ``input_ids``: int64 ``[sum(len(token_ids))]`` on the device, the new tokens themselves when they are
+        already there (a draft step's previous drafts); the items' ``token_ids`` then only give the counts.
         """
         bm = self.block_manager
-        input_ids: list[int] = []
+        token_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
@@ -45,7 +47,7 @@ class ModelRunner:
         for item in items:
             n = len(item.token_ids)
             assert bm.seq_len(item.seq_id) >= item.start_pos + n, "slots not reserved before the forward"
-            input_ids += item.token_ids
+            token_ids += item.token_ids
             positions += range(item.start_pos, item.start_pos + n)
             slots += [bm.slot(item.seq_id, p) for p in range(item.start_pos, item.start_pos + n)]
             logits_indices += range(cu_q_lens[-1] + n - item.num_logits, cu_q_lens[-1] + n)
@@ -62,8 +64,13 @@ class ModelRunner:
             cu_q_lens=torch.tensor(cu_q_lens, dtype=torch.int32, device=dev),
         )
         self.num_forwards += 1
+        if input_ids is None:
+            ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
+        else:
+            assert input_ids.shape == (len(token_ids),), "input_ids must hold one id per new token"
+            ids = input_ids
         return self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            ids,
             torch.tensor(positions, dtype=torch.int64, device=dev),
             self.pool.tensors,
             meta,

@@ -7,7 +7,7 @@ import torch
 from specdec.kernels.philox import STREAM_SAMPLE, row_exponentials
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import penalty_context
-from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize
+from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize, standardize_unchecked
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -47,19 +47,31 @@ def sample_rows(
     prompts: list[list[int]],
     outputs: list[list[int]],
     stream: int,
+    bad_rows: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens int64 [R], probs fp32 [R, V] or None when every row is greedy) - the sampler of plain decoding
     and of draft models (``stream`` keeps their random numbers apart). ``probs`` is the standardized
-    distribution each sampled row was drawn from (garbage for greedy rows)."""
+    distribution each sampled row was drawn from (garbage for greedy rows).
+
+    NaN/inf logits raise ``FloatingPointError`` (a host read), unless ``bad_rows`` is given: then the bool ``[R]``
+    of bad rows is appended to it, on the device, and the caller must check it before using those rows' tokens.
+    """
     device = logits.device
     st = SamplingTensors.from_params(params, device)
     if st.any_penalty:
         seen, counts = penalty_context(prompts, outputs, logits.shape[-1], device)
         logits = apply_penalties(logits, seen, counts, st)
     if st.all_greedy:
-        check_finite(logits)
+        if bad_rows is None:
+            check_finite(logits)
+        else:
+            bad_rows.append(~torch.isfinite(logits).all(dim=-1))
         return greedy(logits), None
-    probs = standardize(logits, st)
+    if bad_rows is None:
+        probs = standardize(logits, st)
+    else:
+        probs, bad = standardize_unchecked(logits, st)
+        bad_rows.append(bad | (~torch.isfinite(logits).all(dim=-1) & (st.temperature == 0)))
     seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
     pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
     sampled = sample_from_probs(probs, seed_t, pos_t, stream)

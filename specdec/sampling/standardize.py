@@ -78,10 +78,17 @@ def standardize(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
     Rows with temperature 0 are returned as computed at temperature 1 (callers take argmax for those).
     """
-    probs, bad_row = ops.softmax_with_temperature(logits, st.temperature)
+    probs, bad_row = standardize_unchecked(logits, st)
     if bool(bad_row.any()):
         rows = bad_row.nonzero().flatten().tolist()
         raise FloatingPointError(f"non-finite logits (NaN or inf) in rows {rows}; refusing to sample from them")
+    return probs
+
+
+def standardize_unchecked(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs fp32 ``[R, V]``, bad_row bool ``[R]``): :func:`standardize` without the host read of its NaN/inf
+    check - the caller checks ``bad_row`` (rows flagged there hold garbage)."""
+    probs, bad_row = ops.softmax_with_temperature(logits, st.temperature)
     if st.any_filter:
         probs = ops.top_k_top_p_min_p(probs, st.top_k, st.top_p, st.min_p)
-    return probs
+    return probs, bad_row
