@@ -131,10 +131,10 @@ def _inject(monkeypatch, engine, stage: str) -> None:
     elif stage == "sample":
         sample = plain_step_module.sample_next_tokens
 
-        def faulty_sample(logits, params, seeds, positions, prompts, outputs):
+        def faulty_sample(logits, params, seeds, positions, prompts, outputs, **kwargs):
             if any(p == PROMPTS[VICTIM] for p in prompts):
                 raise InjectedFault("sampling failed for the victim")
-            return sample(logits, params, seeds, positions, prompts, outputs)
+            return sample(logits, params, seeds, positions, prompts, outputs, **kwargs)
 
         monkeypatch.setattr(plain_step_module, "sample_next_tokens", faulty_sample)
     elif stage == "verify":

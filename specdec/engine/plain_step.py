@@ -17,11 +17,17 @@ def plain_item(seq: Sequence, num_new: int) -> ForwardItem:
 
 
 def sample_plain(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, list[int]]:
-    """One sampled token per sequence from its logits row ``[len(seqs), V]``."""
+    """One sampled token per sequence from its logits row ``[len(seqs), V]``; the tokens and the NaN/inf check
+    come to the host in one read, and ``FloatingPointError`` names the requests whose rows are bad."""
     if not seqs:
         return {}
+    bad_rows: list[torch.Tensor] = []
     tokens = sample_next_tokens(
         logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-        [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-    ).tolist()
-    return {s.seq_id: [t] for s, t in zip(seqs, tokens)}
+        [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], bad_rows=bad_rows,
+    )
+    both = torch.cat([tokens, bad_rows[0].long()]).tolist()  # the step's one host read
+    bad = [s.request_id for s, flag in zip(seqs, both[len(seqs) :]) if flag]
+    if bad:
+        raise FloatingPointError(f"non-finite logits (NaN or inf) for requests {bad}; refusing to sample from them")
+    return {s.seq_id: [t] for s, t in zip(seqs, both[: len(seqs)])}

@@ -28,15 +28,17 @@ def sample_next_tokens(
     positions: list[int],
     prompts: list[list[int]],
     outputs: list[list[int]],
+    bad_rows: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Next token per row, int64 ``[R]``; raises ``FloatingPointError`` on NaN/inf logits.
+    """Next token per row, int64 ``[R]``; raises ``FloatingPointError`` on NaN/inf logits (or, with ``bad_rows``,
+    appends their bool ``[R]`` flags there for the caller to check - see :func:`sample_rows`).
 
     Args:
         logits: fp32 ``[R, V]``.
         seeds, positions: per row, the request seed and the absolute position of the token being sampled.
         prompts, outputs: per row, the token context for penalties.
     """
-    return sample_rows(logits, params, seeds, positions, prompts, outputs, STREAM_SAMPLE)[0]
+    return sample_rows(logits, params, seeds, positions, prompts, outputs, STREAM_SAMPLE, bad_rows=bad_rows)[0]
 
 
 def sample_rows(

@@ -15,8 +15,8 @@ from specdec import ops
 from specdec.drafters.base import DraftProposal
 from specdec.engine.sequence import Sequence
 from specdec.sampling.penalties import penalty_context
-from specdec.sampling.sampler import check_finite, greedy
-from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize
+from specdec.sampling.sampler import greedy
+from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize_unchecked
 
 
 @dataclass
@@ -45,9 +45,10 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) 
         logits = apply_penalties(logits, seen, counts, st)
     target_argmax = greedy(logits)  # (R,) the same argmax plain greedy decoding uses
     if st.all_greedy:
-        check_finite(logits)
-        return _verify_greedy(target_argmax.tolist(), drafts)
-    target_probs = standardize(logits, st)  # (R, V), raises on NaN/inf rows
+        bad = ~torch.isfinite(logits).all(dim=-1)  # (R,)
+        argmax, bad = _read(target_argmax, bad)  # the round's one host read
+        return _verify_greedy(argmax, drafts)
+    target_probs, bad = standardize_unchecked(logits, st)  # (R, V); bad rows checked at the read below
     cu = [0]
     for d in drafts:
         cu.append(cu[-1] + len(d))
@@ -64,9 +65,22 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) 
         torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
         max(len(d) for d in drafts),
     )
-    num_accepted = num_accepted.tolist()  # the one host sync of the round: the scheduler needs the counts
-    out = out.tolist()
+    width = out.shape[1]
+    flat_out, bad = _read(torch.cat([out.flatten(), num_accepted.long()]), bad)  # the round's one host read
+    out = [flat_out[b * width : (b + 1) * width] for b in range(len(drafts))]
+    num_accepted = flat_out[len(drafts) * width :]
     return VerifyResult([row[: n + 1] for row, n in zip(out, num_accepted)], num_accepted)
+
+
+def _read(values: torch.Tensor, bad_rows: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """``values`` (int64 ``[N]``) and the NaN/inf row flags (bool ``[R]``) in one host read; raises
+    ``FloatingPointError`` naming the bad rows (the engine then fails the requests they belong to)."""
+    both = torch.cat([values, bad_rows.long()]).tolist()
+    flags = both[values.shape[0] :]
+    if any(flags):
+        rows = [r for r, f in enumerate(flags) if f]
+        raise FloatingPointError(f"non-finite logits (NaN or inf) in rows {rows}; refusing to decode them")
+    return both[: values.shape[0]], flags
 
 
 def _verify_greedy(target_argmax: list[int], drafts: list[list[int]]) -> VerifyResult:
