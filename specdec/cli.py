@@ -80,9 +80,10 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
                      help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
-    gen.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    gen.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                     help="as LLM(dtype=): auto = the checkpoint's on GPU, the faster one on CPU")
+    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as LLM(device=)")
+    gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     group = gen.add_argument_group("sampling (defaults: specdec.SamplingParams)")
     defaults = sampling_defaults()
     for option, field, kind, text in SAMPLING_OPTIONS:
@@ -98,7 +99,7 @@ def _demo_parser(demo: argparse.ArgumentParser) -> None:
     demo.add_argument("--model", default=None,
                       help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--max-tokens", type=int, default=96, help="tokens generated per run (greedy)")
-    demo.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    demo.add_argument("--threads", type=_positive_int, default=1, help="torch CPU threads")
     demo.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 | auto")
 
 
@@ -141,6 +142,9 @@ def _convert(args: argparse.Namespace) -> int:
         raise ValueError(f"{source}: no such file (expected a .gguf file to convert)")
     if out.exists() and not args.overwrite and not _is_empty_dir(out):
         raise ValueError(f"{out} exists; pass --overwrite to replace it")
+    if out.exists() and not _is_empty_dir(out) and not (out / "config.json").is_file():
+        raise ValueError(f"{out} is not empty and holds no model (no config.json): --overwrite only replaces a "
+                         "previous conversion; choose another folder")
     start = time.perf_counter()
     try:
         convert_gguf(source, out, dtype=args.dtype, overwrite=out.exists(), progress=True)
@@ -180,6 +184,14 @@ def _model_path(model: str | None) -> str:
         return default_model_path()
     except (ModuleNotFoundError, FileNotFoundError) as e:  # the weights package is missing: say how to get it
         raise ValueError(str(e)) from e
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -151,3 +151,11 @@ def test_a_seed_at_the_top_of_the_range_runs(llm):
     first = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)[0].outputs[0].token_ids
     assert first == llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)[0].outputs[0].token_ids
     assert len(first) == 4
+
+
+def test_sampling_params_changed_after_construction_are_checked_again(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=1)
+    params.seed = 2**70
+    with pytest.raises(ValueError, match="seed"):
+        llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=params)
+    assert not llm.engine.has_unfinished_requests()

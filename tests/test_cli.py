@@ -160,6 +160,7 @@ def test_convert_into_an_existing_folder_needs_overwrite(capsys, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
+    (out / "config.json").write_text("{}")  # a previous conversion: --overwrite may replace it
     assert main(["convert", str(source), str(out)]) == 2
     assert f"error: {out} exists; pass --overwrite to replace it" in capsys.readouterr().err
     assert main(["convert", str(source), str(out), "--overwrite"]) == 2  # gets as far as reading the file
@@ -196,3 +197,27 @@ def test_every_metrics_key_is_documented():
     table_keys = {key for row in doc.splitlines() if row.startswith("| `")
                   for key in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert set(RequestMetrics().as_dict()) <= table_keys
+
+
+def test_dtype_defaults_to_auto_and_bad_threads_or_dtype_fail_before_loading(capsys):
+    from specdec import cli
+
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    assert args.dtype == "auto"
+    for argv in (["generate", "--prompt", "x", "--threads", "0"], ["generate", "--prompt", "x", "--dtype", "int8"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 2
+
+
+def test_convert_overwrite_never_replaces_a_folder_that_holds_no_model(tmp_path, capsys):
+    from specdec import cli
+
+    source = tmp_path / "m.gguf"
+    source.write_bytes(b"GGUF")
+    folder = tmp_path / "precious"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me")
+    assert cli.main(["convert", str(source), str(folder), "--overwrite"]) == 2
+    assert "holds no model" in capsys.readouterr().err
+    assert (folder / "notes.txt").read_text() == "keep me"

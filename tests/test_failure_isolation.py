@@ -241,7 +241,23 @@ def test_a_transient_forward_failure_is_retried_and_fails_nobody(engines, monkey
 
 
 def test_generate_returns_the_error_and_the_other_results(engines, monkeypatch):
-    """Through the LLM facade: the innocent requests of a generate() call are not failed with the guilty one."""
+    """Through the LLM facade: the innocent requests of a generate() call are not failed with the guilty one.
+    (On the old engine generate() spun forever here: the alarm turns that into a failure.)"""
+    import signal
+
+    def spinning(signum, frame):
+        raise AssertionError("generate() did not return within 120 s")
+
+    previous = signal.signal(signal.SIGALRM, spinning)
+    signal.alarm(120)
+    try:
+        _generate_returns_the_error_and_the_other_results(engines, monkeypatch)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _generate_returns_the_error_and_the_other_results(engines, monkeypatch):
     engine = engines["plain"]
     llm = specdec.LLM.__new__(specdec.LLM)
     llm.engine = engine
@@ -270,3 +286,49 @@ def test_a_step_that_can_schedule_nothing_ends_the_stuck_requests_instead_of_spi
     assert all(o.outputs[0].finish_reason == "error" and "could not make progress" in o.error for o in outs)
     assert not engine.has_unfinished_requests() and engine.step() == []
     _assert_pools_whole(engine)
+
+
+def test_ctrl_c_inside_a_step_is_undone_and_keeps_queued_outputs(engines, monkeypatch):
+    engine = engines["speculative"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(prompt_token_ids=p, params=greedy) for p in PROMPTS[:2]]
+    engine.step()
+    engine.step()
+    gone = engine.add_request(prompt_token_ids=PROMPTS[2], params=greedy)
+    engine.abort(gone)  # its output waits for the next step()
+    drafter = engine.speculative.drafter
+    draft_forward = drafter.runner.forward
+    calls = {"n": 0}
+
+    def interrupted(items, input_ids=None):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second draft step: the first one already moved the draft cache
+            raise KeyboardInterrupt
+        return draft_forward(items, input_ids=input_ids)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(drafter.runner, "forward", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+    for seq in engine.scheduler.running:  # the draft cache never runs ahead of the target's
+        assert drafter.kv_len.get(seq.seq_id, 0) <= seq.num_computed
+    outs = engine.step()
+    assert [o.request_id for o in outs if o.outputs[0].finish_reason == "abort"] == [gone]
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update({o.request_id: o for o in engine.step() if o.finished})
+    assert all(final[rid].outputs[0].finish_reason == "length" for rid in ids)
+    _assert_pools_whole(engine)
+
+
+def test_an_aborted_id_is_not_reused_before_its_abort_is_reported(engines):
+    engine = engines["plain"]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request(prompt_token_ids=PROMPTS[0], params=greedy, request_id="same")
+    engine.abort("same")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(prompt_token_ids=PROMPTS[0], params=greedy, request_id="same")
+    assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+    engine.add_request(prompt_token_ids=PROMPTS[0], params=greedy, request_id="same")  # now free again
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -56,6 +56,7 @@ class LLMEngine:
         """Token ids of a request, or ``ValueError`` saying what is wrong. Changes no state."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.__post_init__()  # again: a field may have been changed since construction
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -92,8 +93,9 @@ class LLMEngine:
         ids = self.validate_request(prompt, prompt_token_ids, params)
         seq_id = next(self._seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self._requests or any(out.request_id == request_id for out in self._pending):
+            raise ValueError(f"request id {request_id!r} is already in use (or its abort is not yet reported by "
+                             "step())")
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seq = Sequence(seq_id, request_id, prompt, ids, params, seed, eos)
@@ -129,11 +131,17 @@ class LLMEngine:
         ``finish_reason == "error"`` (its message in ``RequestOutput.error``), its blocks freed in every pool,
         and the other requests go on as if it had never been there (docs/architecture.md, "Failure isolation").
         """
-        outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []  # after schedule(): if that raises, nothing queued is lost
         if not batch.seqs:
             return outputs + self._fail_unschedulable()
-        updates, failures = self._compute_isolated(batch)
+        if self.speculative is not None:
+            self.speculative.batch_size = len(batch.seqs)  # what adaptive k plans the next step for
+        try:
+            updates, failures = self._compute_isolated(batch)
+        except BaseException:  # KeyboardInterrupt and the like: the step is undone; keep the queued outputs
+            self._pending = outputs + self._pending
+            raise
         for seq in batch.seqs:
             if seq.seq_id in failures:
                 outputs.append(self._fail(seq, failures[seq.seq_id]))
@@ -143,22 +151,27 @@ class LLMEngine:
                     outputs.append(out)
         return outputs
 
-    def _compute_isolated(self, batch: ScheduledBatch) -> tuple[dict[int, RequestUpdate], dict[int, str]]:
+    def _compute_isolated(self, batch: ScheduledBatch, retry: bool = False
+                          ) -> tuple[dict[int, RequestUpdate], dict[int, str]]:
         """(updates, failures) by seq id. A step that raises changed no request (engine/step.py); it is split in
         halves and retried until every failure is pinned on the single requests it belongs to, so the others
-        get exactly the tokens an unfaulted step gives them (randomness depends on (seed, position) only)."""
+        get exactly the tokens an unfaulted step gives them (randomness depends on (seed, position) only).
+        Retries time nothing for adaptive k (a sub-batch is not the batch size the costs are kept for). A
+        ``BaseException`` that is not an ``Exception`` (Ctrl-C) is undone too, then re-raised."""
         try:
-            updates = compute_step(batch, self.runner, self.speculative)
+            updates = compute_step(batch, self.runner, self.speculative, observe_costs=not retry)
             return {u.seq.seq_id: u for u in updates}, {}
-        except Exception as e:  # noqa: BLE001 - any failure is pinned on its requests, never on the engine
+        except BaseException as e:
             undo_step(batch.seqs, self.speculative)
+            if not isinstance(e, Exception):
+                raise
             if len(batch) == 1:
                 return {}, {batch.seqs[0].seq_id: f"{type(e).__name__}: {e}"}
             half = len(batch) // 2
             updates, failures = self._compute_isolated(
-                ScheduledBatch(batch.seqs[:half], batch.num_new_tokens[:half]))
+                ScheduledBatch(batch.seqs[:half], batch.num_new_tokens[:half]), retry=True)
             more_updates, more_failures = self._compute_isolated(
-                ScheduledBatch(batch.seqs[half:], batch.num_new_tokens[half:]))
+                ScheduledBatch(batch.seqs[half:], batch.num_new_tokens[half:]), retry=True)
             return {**updates, **more_updates}, {**failures, **more_failures}
 
     def _commit(self, update: RequestUpdate) -> RequestOutput | None:

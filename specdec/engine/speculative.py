@@ -91,7 +91,6 @@ class SpeculativeDecoder:
     # --- one round, computed without touching any request (engine/step.py) ------------------------------
     def draft(self, batch: ScheduledBatch) -> Drafts:
         """Drafts for the decoding requests of ``batch`` that were granted a lookahead (k_eff > 0)."""
-        self.batch_size = len(batch.seqs)
         speculating, ks, k_granted = [], [], {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if n == 1 and seq.num_computed + 1 == seq.num_tokens:  # a decode step (not a prefill chunk)

@@ -32,11 +32,13 @@ class RequestUpdate:
     draft_forwards: int = 0
 
 
-def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None) -> list[RequestUpdate]:
+def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_costs: bool = True
+                 ) -> list[RequestUpdate]:
     """The updates of every request of ``batch``, in batch order.
 
     Args:
         spec: the ``SpeculativeDecoder``, or None for plain decoding.
+        observe_costs: time the target forward for adaptive k (False for the retried halves of a failed step).
     """
     drafts = spec.draft(batch) if spec is not None else None
     items: list[ForwardItem] = []
@@ -48,7 +50,7 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None) -> list[
             items.append(plain_item(seq, n))
     start = time.perf_counter()
     logits = runner.forward(items)  # (sum of num_logits, V) fp32
-    if spec is not None:
+    if spec is not None and observe_costs:
         spec.observe_target(logits, len(items), sum(len(it.token_ids) for it in items), start)
 
     spec_rows: list[int] = []
