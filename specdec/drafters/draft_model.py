@@ -26,7 +26,7 @@ from specdec.engine.sequence import Sequence
 from specdec.kernels.philox import STREAM_DRAFT
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
-from specdec.sampling.sampler import sample_rows
+from specdec.sampling.sampler import read_checked, sample_rows
 
 UNKNOWN_ID_STANDIN = 0  # what the draft is fed in place of a target id beyond its vocabulary
 
@@ -115,16 +115,11 @@ class DraftModelDrafter:
         drafts: list[list[int]] = [[] for _ in seqs]
         if not step_tokens:
             return drafts
-        flat = torch.cat([torch.cat(step_tokens), torch.cat(bad_rows).long()]).tolist()  # the one host read
-        n = len(flat) // 2
-        ids, bad = flat[:n], flat[n:]
-        pos, failed = 0, set()
-        for rows in step_rows:
-            for i in rows:
-                drafts[i].append(ids[pos])
-                if bad[pos]:
-                    failed.add(i)
-                pos += 1
+        ids, bad = read_checked(torch.cat(step_tokens), torch.cat(bad_rows))  # the one host read
+        owners = [i for rows in step_rows for i in rows]  # request of each flat row
+        for i, token in zip(owners, ids):
+            drafts[i].append(token)
+        failed = {owners[r] for r in bad}
         if failed:
             names = sorted(seqs[i].request_id for i in failed)
             raise FloatingPointError(f"non-finite draft logits (NaN or inf) for requests {names}; "

@@ -6,7 +6,7 @@ import torch
 
 from specdec.engine.model_runner import ForwardItem
 from specdec.engine.sequence import Sequence
-from specdec.sampling.sampler import sample_next_tokens
+from specdec.sampling.sampler import read_checked, sample_next_tokens
 
 
 def plain_item(seq: Sequence, num_new: int) -> ForwardItem:
@@ -26,8 +26,8 @@ def sample_plain(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, list[i
         logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
         [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], bad_rows=bad_rows,
     )
-    both = torch.cat([tokens, bad_rows[0].long()]).tolist()  # the step's one host read
-    bad = [s.request_id for s, flag in zip(seqs, both[len(seqs) :]) if flag]
+    tokens, bad = read_checked(tokens, bad_rows[0])  # the step's one host read
     if bad:
-        raise FloatingPointError(f"non-finite logits (NaN or inf) for requests {bad}; refusing to sample from them")
-    return {s.seq_id: [t] for s, t in zip(seqs, both[: len(seqs)])}
+        names = [seqs[r].request_id for r in bad]
+        raise FloatingPointError(f"non-finite logits (NaN or inf) for requests {names}; refusing to sample from them")
+    return {s.seq_id: [t] for s, t in zip(seqs, tokens)}

@@ -67,22 +67,35 @@ def sample_rows(
         if bad_rows is None:
             check_finite(logits)
         else:
-            bad_rows.append(~torch.isfinite(logits).all(dim=-1))
+            bad_rows.append(nonfinite_rows(logits))
         return greedy(logits), None
     if bad_rows is None:
         probs = standardize(logits, st)
     else:
-        probs, bad = standardize_unchecked(logits, st)
-        bad_rows.append(bad | (~torch.isfinite(logits).all(dim=-1) & (st.temperature == 0)))
+        probs, bad = standardize_unchecked(logits, st)  # bad: the rows standardize() would raise for
+        bad_rows.append(bad)
     seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
     pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
     sampled = sample_from_probs(probs, seed_t, pos_t, stream)
     return torch.where(st.temperature == 0, greedy(logits), sampled), probs
 
 
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool ``[R]``: rows of ``logits [R, V]`` holding a NaN or an inf (greedy rows are refused on these)."""
+    return ~torch.isfinite(logits).all(dim=-1)
+
+
+def read_checked(values: torch.Tensor, bad_rows: torch.Tensor) -> tuple[list[int], list[int]]:
+    """``values`` (int64 ``[N]``) on the host, and the indices of the flagged rows of ``bad_rows`` (bool ``[R]``),
+    in one host read (one sync on a GPU): how a step reads its tokens and its deferred NaN/inf check together."""
+    both = torch.cat([values, bad_rows.long()]).tolist()
+    n = values.shape[0]
+    return both[:n], [r for r, flag in enumerate(both[n:]) if flag]
+
+
 def check_finite(logits: torch.Tensor) -> None:
-    """Raise ``FloatingPointError`` naming the rows with NaN/inf logits."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    if not bool(finite.all()):
-        rows = (~finite).nonzero().flatten().tolist()
+    """Raise ``FloatingPointError`` naming the rows with NaN/inf logits (a host read)."""
+    bad = nonfinite_rows(logits)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
         raise FloatingPointError(f"non-finite logits (NaN or inf) in rows {rows}; refusing to decode them")

@@ -15,7 +15,7 @@ from specdec import ops
 from specdec.drafters.base import DraftProposal
 from specdec.engine.sequence import Sequence
 from specdec.sampling.penalties import penalty_context
-from specdec.sampling.sampler import greedy
+from specdec.sampling.sampler import greedy, nonfinite_rows, read_checked
 from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize_unchecked
 
 
@@ -45,8 +45,8 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) 
         logits = apply_penalties(logits, seen, counts, st)
     target_argmax = greedy(logits)  # (R,) the same argmax plain greedy decoding uses
     if st.all_greedy:
-        bad = ~torch.isfinite(logits).all(dim=-1)  # (R,)
-        argmax, bad = _read(target_argmax, bad)  # the round's one host read
+        bad = nonfinite_rows(logits)  # (R,)
+        argmax = _read(target_argmax, bad)  # the round's one host read
         return _verify_greedy(argmax, drafts)
     target_probs, bad = standardize_unchecked(logits, st)  # (R, V); bad rows checked at the read below
     cu = [0]
@@ -66,21 +66,19 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) 
         max(len(d) for d in drafts),
     )
     width = out.shape[1]
-    flat_out, bad = _read(torch.cat([out.flatten(), num_accepted.long()]), bad)  # the round's one host read
+    flat_out = _read(torch.cat([out.flatten(), num_accepted.long()]), bad)  # the round's one host read
     out = [flat_out[b * width : (b + 1) * width] for b in range(len(drafts))]
     num_accepted = flat_out[len(drafts) * width :]
     return VerifyResult([row[: n + 1] for row, n in zip(out, num_accepted)], num_accepted)
 
 
-def _read(values: torch.Tensor, bad_rows: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """``values`` (int64 ``[N]``) and the NaN/inf row flags (bool ``[R]``) in one host read; raises
-    ``FloatingPointError`` naming the bad rows (the engine then fails the requests they belong to)."""
-    both = torch.cat([values, bad_rows.long()]).tolist()
-    flags = both[values.shape[0] :]
-    if any(flags):
-        rows = [r for r, f in enumerate(flags) if f]
-        raise FloatingPointError(f"non-finite logits (NaN or inf) in rows {rows}; refusing to decode them")
-    return both[: values.shape[0]], flags
+def _read(values: torch.Tensor, bad_rows: torch.Tensor) -> list[int]:
+    """``values`` on the host with the NaN/inf check of the verification rows; ``FloatingPointError`` names the
+    bad rows (the engine then fails the requests they belong to)."""
+    values, bad = read_checked(values, bad_rows)
+    if bad:
+        raise FloatingPointError(f"non-finite logits (NaN or inf) in rows {bad}; refusing to decode them")
+    return values
 
 
 def _verify_greedy(target_argmax: list[int], drafts: list[list[int]]) -> VerifyResult:
