@@ -9,6 +9,7 @@ request. That split is what failure isolation rests on (docs/architecture.md, "F
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
+from specdec.sampling.logprobs import TokenLogprobs, attach_logprobs
 
 
 @dataclass
@@ -30,6 +32,7 @@ class RequestUpdate:
     accepted: int = 0
     verified: bool = False  # the tokens came from a verification round
     draft_forwards: int = 0
+    logprobs: list[TokenLogprobs] | None = None  # one per new token when params.logprobs is set (logprobs hook)
 
 
 def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_costs: bool = True
@@ -80,6 +83,14 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
         else:
             updates.append(RequestUpdate(seq, seq.num_computed + n, sampled.get(seq.seq_id, []), k_granted,
                                          draft_forwards=forwards))
+
+    # --- logprobs hook (sampling/logprobs.py), only when a request asked: the logits row each emitted token was
+    # drawn from - a plain token: its item's one row; a verified chain: token j from row j of its window.
+    if any(seq.params.logprobs is not None for seq in batch.seqs):
+        starts = itertools.accumulate((item.num_logits for item in items), initial=0)
+        first_row = {seq.seq_id: start for seq, start in zip(batch.seqs, starts)}
+        token_rows = {u.seq.seq_id: [first_row[u.seq.seq_id] + j for j in range(len(u.new_tokens))] for u in updates}
+        attach_logprobs(logits, updates, token_rows)
     return updates
 
 

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors (the Philox key); the engine draws unseeded ones below it
+MAX_LOGPROBS = 20  # top alternatives per token: OpenAI's top_logprobs limit and vLLM's default max_logprobs
+MAX_N = 128  # samples per request: OpenAI's limit for n; each sample is a full sequence in the batch
 
 
 @dataclass
@@ -17,6 +19,11 @@ class SamplingParams:
     prompt or output; ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]) subtract a constant / a
     count-proportional amount for tokens already generated. ``seed`` (in [0, 2**63 - 1]) makes the request's
     random numbers a pure function of (seed, position, stream); what that reproduces is in docs/architecture.md.
+
+    ``logprobs`` (None or 0..20): None returns no log-probabilities; 0 the sampled token's; N > 0 also the N
+    most likely tokens' - each the log-softmax of the target's raw logits, before penalties, temperature and
+    filtering (docs/metrics.md). ``n`` (1..128): independent samples of the prompt, returned as ``outputs[0..n)``
+    of one ``RequestOutput``; sample i > 0 uses the seed :func:`child_seed` derives from ``seed``.
     """
 
     temperature: float = 1.0
@@ -31,11 +38,16 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     seed: int | None = None
+    logprobs: int | None = None
+    n: int = 1
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid; allowed: {allowed}")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
 
         def is_num(x) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -67,6 +79,11 @@ class SamplingParams:
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         self.stop_token_ids = ids
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"None (none), or an integer in [0, {MAX_LOGPROBS}]: 0 = the sampled token's "
+                                  "log-probability only, N = also the N most likely tokens'")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}] (independent samples of the prompt)")
 
     @property
     def is_greedy(self) -> bool:
@@ -75,3 +92,19 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request with ``n > 1`` and seed ``seed``, in [0, 2**63 - 1].
+
+    Sample 0 keeps ``seed`` (so it reproduces the ``n == 1`` request); sample i > 0 takes the top 63 bits of
+    ``splitmix64(seed + i * 0x9E3779B97F4A7C15 mod 2**64)`` (Steele et al.'s SplitMix64 finaliser): a
+    deterministic, well-mixed function of (seed, i), so samples of one request do not share random streams.
+    """
+    if index == 0:
+        return seed
+    mask = 2**64 - 1
+    z = (seed + index * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1
