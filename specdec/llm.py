@@ -53,7 +53,7 @@ class LLM:
             model, dtype=dtype, device=device, max_model_len=max_model_len, block_size=block_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
-            lookahead_slots=speculative.num_speculative_tokens if speculative else 0,
+            lookahead_slots=speculative.tree_nodes(speculative.num_speculative_tokens) if speculative else 0,
             prepack_weights=prepack_weights,
         )
         self.engine = LLMEngine(config, speculative)
@@ -74,7 +74,8 @@ class LLM:
 
         Every request is validated before any runs: one bad request raises ``ValueError`` (naming its index) and
         nothing is queued. A request that fails while running ends with ``finish_reason == "error"`` and its
-        message in ``RequestOutput.error``; the others are unaffected.
+        message in ``RequestOutput.error``; the others are unaffected. A request with ``n > 1`` returns one
+        ``RequestOutput`` with ``outputs[i]`` for sample i.
         """
         requests = self._requests(prompts, sampling_params, prompt_token_ids)
         for i, (prompt, params, ids) in enumerate(requests):
@@ -101,7 +102,13 @@ class LLM:
         self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
         prompt_token_ids: list[int] | None = None,
     ) -> Iterator[str]:
-        """Yield text deltas of one request as they become safe to show (no partial UTF-8, no stop prefix)."""
+        """Yield text deltas of one request as they become safe to show (no partial UTF-8, no stop prefix).
+
+        One text, so ``sampling_params.n`` must be 1 (``ValueError`` otherwise): for n > 1 samples use
+        ``generate()``, or ``engine.step()``, whose outputs carry every sample's cumulative text by index."""
+        if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
+            raise ValueError(f"LLM.stream yields the text of one sample; SamplingParams.n={sampling_params.n!r} "
+                             "is not allowed here (use n=1, or generate() / engine.step() for n > 1)")
         rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids)
         self.last_stream_output = None
         shown = 0

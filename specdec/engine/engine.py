@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -12,14 +13,14 @@ from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.detokenizer import append_text, finalize_text
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
-from specdec.engine.sequence import Sequence, Status
+from specdec.engine.sequence import RequestMetrics, Sequence, Status
 from specdec.engine.speculative import SpeculativeDecoder
 from specdec.engine.step import RequestUpdate, compute_step, undo_step
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_model
 from specdec.model.tokenizer import Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
-from specdec.sampling.params import SamplingParams
+from specdec.sampling.params import SamplingParams, child_seed
 
 
 class LLMEngine:
@@ -46,6 +47,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples, for requests with n > 1
+        self._sample_of: dict[str, str] = {}  # a sample's internal id ("<request id>#<i>") -> its request id
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step()
         self._num_failed = 0
 
@@ -88,25 +91,54 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id."""
+        """Validate and queue a request; returns its id.
+
+        ``params.n > 1`` queues n samples (sequences) of the prompt, sample i seeded ``child_seed(seed, i)``
+        (sample 0 = the n == 1 request; an unseeded request draws n seeds); ``step()`` and ``abort()`` report them
+        as one ``RequestOutput`` under the returned id, ``outputs[i]`` for sample i."""
         params = params if params is not None else SamplingParams()
         ids = self.validate_request(prompt, prompt_token_ids, params)
-        seq_id = next(self._seq_ids)
-        request_id = request_id if request_id is not None else str(seq_id)
-        if request_id in self._requests or any(out.request_id == request_id for out in self._pending):
+        seq_ids = [next(self._seq_ids) for _ in range(params.n)]
+        request_id = request_id if request_id is not None else str(seq_ids[0])
+        own_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if (request_id in self._requests or request_id in self._groups or any(i in self._requests for i in own_ids)
+                or any(out.request_id == request_id for out in self._pending)):
             raise ValueError(f"request id {request_id!r} is already in use (or its abort is not yet reported by "
                              "step())")
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        seq = Sequence(seq_id, request_id, prompt, ids, params, seed, eos)
-        seq.metrics.num_prompt_tokens = len(ids)
-        self._requests[request_id] = seq
-        self.scheduler.add(seq)
+        seqs = []
+        for i, (seq_id, own_id) in enumerate(zip(seq_ids, own_ids)):
+            seed = child_seed(params.seed, i) if params.seed is not None else self._seed_rng.getrandbits(63)
+            sample_params = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else seed)
+            seq = Sequence(seq_id, own_id, prompt, ids, sample_params, seed, eos)
+            seq.metrics.num_prompt_tokens = len(ids)
+            seq.logprobs = [] if params.logprobs is not None else None
+            if params.n > 1:
+                seq.parent_id, seq.index = request_id, i
+                self._sample_of[own_id] = request_id
+            seqs.append(seq)
+        if params.n > 1:
+            self._groups[request_id] = seqs
+        for seq in seqs:
+            self._requests[seq.request_id] = seq
+            self.scheduler.add(seq)
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request and free its blocks in every pool. Returns its final output (``finish_reason ==
-        "abort"``), which the next ``step()`` also reports; None for unknown or finished ids."""
+        "abort"``), which the next ``step()`` also reports; None for unknown or finished ids. A request with
+        n > 1 aborts all its samples that are still running (so does the internal id of one of its samples)."""
+        request_id = self._sample_of.get(request_id, request_id)
+        group = self._groups.get(request_id)
+        if group is not None:
+            for seq in group:
+                if not seq.is_finished:
+                    self._finish(seq, "abort")
+            out = self._group_output(request_id)
+            self._forget_group(request_id)
+            self._pending.append(out)
+            return out
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:
             return None
@@ -134,7 +166,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs, self._pending = self._pending, []  # after schedule(): if that raises, nothing queued is lost
         if not batch.seqs:
-            return outputs + self._fail_unschedulable()
+            return self._merge_samples(outputs + self._fail_unschedulable())
         if self.speculative is not None:
             self.speculative.batch_size = len(batch.seqs)  # what adaptive k plans the next step for
         try:
@@ -149,7 +181,7 @@ class LLMEngine:
                 out = self._commit(updates[seq.seq_id])
                 if out is not None:
                     outputs.append(out)
-        return outputs
+        return self._merge_samples(outputs)
 
     def _compute_isolated(self, batch: ScheduledBatch, retry: bool = False
                           ) -> tuple[dict[int, RequestUpdate], dict[int, str]]:
@@ -186,7 +218,7 @@ class LLMEngine:
                 m.k_per_step.append(update.k_granted)
             if update.verified:
                 self.speculative.commit_round(seq, update.drafted, update.accepted, self.block_manager)
-            return self._process(seq, update.new_tokens, update.verified)
+            return self._process(seq, update.new_tokens, update.verified, update.logprobs)
         except Exception as e:  # noqa: BLE001
             return self._fail(seq, f"{type(e).__name__}: {e}")
 
@@ -208,17 +240,25 @@ class LLMEngine:
             for seq in stuck
         ]
 
-    def _process(self, seq: Sequence, tokens: list[int], verified: bool) -> RequestOutput | None:
-        """Append a step's tokens one by one, check stop conditions after each (EOS, stop ids, stop strings,
-        max_tokens), detokenise, and finish the request if one holds. None if the step emitted nothing."""
+    def _process(self, seq: Sequence, tokens: list[int], verified: bool, logprobs: list[dict] | None = None
+                 ) -> RequestOutput | None:
+        """Append a step's tokens one by one (with their logprobs, when kept), check stop conditions after each
+        (EOS, stop ids, stop strings, max_tokens), detokenise, and finish the request if one holds. None if the
+        step emitted nothing."""
         if not tokens:
             return None
+        if seq.logprobs is not None and (logprobs is None or len(logprobs) != len(tokens)):
+            raise RuntimeError(f"the step computed {0 if logprobs is None else len(logprobs)} logprobs for "
+                               f"{len(tokens)} tokens")
         m = seq.metrics
         if m.first_token_time is None:
             m.first_token_time = time.perf_counter()
         before = len(seq.output_token_ids)
-        for token in tokens:
+        for i, token in enumerate(tokens):
             seq.output_token_ids.append(token)
+            if seq.logprobs is not None:  # kept aligned with output_token_ids: tokens after a stop are dropped
+                seq.logprobs.append(logprobs[i])
+                seq.cumulative_logprob += logprobs[i][token]
             stopped_by_string = self.tokenizer is not None and append_text(seq, self.tokenizer)
             reason = self._finish_reason(seq, token, stopped_by_string)
             if reason is not None:
@@ -249,13 +289,55 @@ class LLMEngine:
                 finalize_text(seq, self.tokenizer, stopped_by_string)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = seq.output_text[: seq.stable_text_len]
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(0, text, list(seq.output_token_ids), seq.finish_reason)],
+            outputs=[self._completion(seq)],
             finished=seq.is_finished,
             metrics=seq.metrics.as_dict(),
             error=seq.error,
         )
+
+    @staticmethod
+    def _completion(seq: Sequence) -> CompletionOutput:
+        logprobs = None if seq.logprobs is None else list(seq.logprobs)
+        return CompletionOutput(seq.index, seq.output_text[: seq.stable_text_len], list(seq.output_token_ids),
+                                seq.finish_reason, logprobs, None if logprobs is None else seq.cumulative_logprob)
+
+    # --- n > 1: samples reported as one request ------------------------------------------------------------
+    def _group_output(self, request_id: str) -> RequestOutput:
+        """One ``RequestOutput`` for all samples of ``request_id``: ``outputs[i]`` is sample i (cumulative, every
+        sample every time); finished when all are; ``error`` lists the samples that failed."""
+        seqs = self._groups[request_id]
+        errors = [f"output {s.index}: {s.error}" for s in seqs if s.error is not None]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=seqs[0].prompt,
+            prompt_token_ids=seqs[0].prompt_token_ids,
+            outputs=[self._completion(s) for s in seqs],
+            finished=all(s.is_finished for s in seqs),
+            metrics=RequestMetrics.merged([s.metrics for s in seqs]).as_dict(),
+            error="; ".join(errors) if errors else None,
+        )
+
+    def _merge_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Replace the outputs of samples (n > 1) by their request's output, once per request, at the place of its
+        first sample; a request whose samples have all finished is forgotten after its final output."""
+        merged: list[RequestOutput] = []
+        groups: list[str] = []
+        for out in outputs:
+            parent = self._sample_of.get(out.request_id)
+            if parent is None:
+                merged.append(out)
+            elif parent not in groups:
+                groups.append(parent)
+                merged.append(self._group_output(parent))
+        for parent in groups:
+            if all(s.is_finished for s in self._groups[parent]):
+                self._forget_group(parent)
+        return merged
+
+    def _forget_group(self, request_id: str) -> None:
+        for seq in self._groups.pop(request_id):
+            self._sample_of.pop(seq.request_id, None)

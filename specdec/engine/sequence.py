@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from specdec.sampling.params import SamplingParams
 
@@ -23,6 +23,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission (not computed)
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     target_forwards: int = 0  # target forwards this request took part in (prefill chunks included)
@@ -61,9 +62,35 @@ class RequestMetrics:
     def wall_time(self) -> float | None:
         return self.finished_time - self.arrival_time if self.finished_time is not None else None
 
+    @classmethod
+    def merged(cls, parts: list[RequestMetrics]) -> RequestMetrics:
+        """The metrics of a request with ``n > 1`` samples (docs/metrics.md): counters summed over the samples
+        (the prompt counted once), per-position lists summed elementwise, ``k_per_step`` concatenated in sample
+        order; arrival and first token the earliest, finish the latest (None while a sample runs)."""
+        out = cls()
+        for f in fields(cls):
+            values = [getattr(m, f.name) for m in parts]
+            if f.name == "num_prompt_tokens":
+                merged = values[0]
+            elif f.name in ("arrival_time", "first_token_time"):
+                known = [v for v in values if v is not None]
+                merged = min(known) if known else None
+            elif f.name == "finished_time":
+                merged = None if any(v is None for v in values) else max(values)
+            elif f.name == "k_per_step":
+                merged = [k for v in values for k in v]
+            elif isinstance(values[0], list):
+                width = max(len(v) for v in values)
+                merged = [sum(v[i] for v in values if i < len(v)) for i in range(width)]
+            else:
+                merged = sum(values)
+            setattr(out, f.name, merged)
+        return out
+
     def as_dict(self) -> dict:
         return {
             "num_prompt_tokens": self.num_prompt_tokens,
+            "num_cached_tokens": self.num_cached_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_preemptions": self.num_preemptions,
             "target_forwards": self.target_forwards,
@@ -97,6 +124,13 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # logprobs (params.logprobs is not None): one {token id: log-probability} per output token, aligned with
+    # output_token_ids; None when not asked for
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0  # sum of the output tokens' own log-probabilities (when logprobs are kept)
+    # n > 1: this sequence is sample ``index`` of the request ``parent_id`` (its own request_id is internal)
+    parent_id: str | None = None
+    index: int = 0
     # detokenisation state (engine/detokenizer.py)
     output_text: str = ""
     stable_text_len: int = 0  # prefix of output_text that streaming may show
