@@ -27,6 +27,7 @@ STREAM_SAMPLE = 0  # plain sampling of the next token (target-only decoding)
 STREAM_DRAFT = 1  # a draft model sampling its proposal from q
 STREAM_ACCEPT = 2  # the accept/reject uniform of a draft token
 STREAM_RESIDUAL = 3  # residual (recovered) token after a rejection, or the bonus token
+STREAM_BLOCK_ACCEPT = 4  # block verification's per-position stop uniform (kernels/block_verify.py)
 
 _MASK32 = 0xFFFFFFFF
 _ROUND_A = 0xD2511F53

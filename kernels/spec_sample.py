@@ -70,12 +70,14 @@ def _argmax_over_noise(
     q_row_ptr,  # fp32 [V] draft row (read only where load_q)
     load_q,  # scalar bool: subtract the draft row
     onehot_token,  # scalar int: subtract a one-hot q at this token (-1: none)
+    p_scale,  # scalar fp32: weight w on the target row (1.0 here; block verification's w_tau in block_verify.py)
     seed,
     position,
     vocab_size,
     BLOCK_V: tl.constexpr,
 ):
-    """(argmax_v max(p_v - q_v, 0) / E_v, max_v max(p_v - q_v, 0)) with E_v = -log(philox(seed, position, v)).
+    """(argmax_v max(w p_v - q_v, 0) / E_v, max_v max(w p_v - q_v, 0)), E_v = -log(philox(seed, position, v)),
+    w = ``p_scale`` (1.0 * p is exact, so w = 1 is the plain residual bit for bit).
 
     Per-lane running state (vectors of BLOCK_V: best score, its index, max residual), reduced across lanes once
     after the loop. Ties resolve to the lowest index, like torch.argmax: within a lane a later chunk must be
@@ -91,7 +93,7 @@ def _argmax_over_noise(
         p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
         q = tl.load(q_row_ptr + offs, mask=tl.where(load_q, in_vocab, False), other=0.0)
         q = tl.where(offs == onehot_token, 1.0, q)
-        residual = tl.maximum(p - q, 0.0)
+        residual = tl.maximum(p_scale * p - q, 0.0)
         noise = -tl.log(philox_uniform_tl(seed, position, _STREAM_RESIDUAL, offs))  # Exp(1), finite, > 0
         score = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
         better = score > best_score  # strict: the lane's earlier (lower) index wins ties
@@ -165,13 +167,14 @@ def _spec_sample_kernel(
         p_row_ptr = target_probs_ptr + final_row * vocab_size
         q_row_ptr = draft_probs_ptr + (first_draft + n) * vocab_size
         sampled, max_residual = _argmax_over_noise(
-            p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, seed, position + n, vocab_size, BLOCK_V
+            p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, 1.0, seed, position + n, vocab_size,
+            BLOCK_V,
         )
         if max_residual <= 0.0:  # residual all zero (p <= q up to rounding): sample from p itself
             no_q = rejected & False
             no_onehot = rejected_draft * 0 - 1
             sampled, max_residual = _argmax_over_noise(
-                p_row_ptr, q_row_ptr, no_q, no_onehot, seed, position + n, vocab_size, BLOCK_V
+                p_row_ptr, q_row_ptr, no_q, no_onehot, 1.0, seed, position + n, vocab_size, BLOCK_V
             )
         token = sampled.to(tl.int64)
     tl.store(out_row_ptr + n, token)
