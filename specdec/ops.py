@@ -10,10 +10,11 @@ set that process-wide, and inferring from it would push every engine test throug
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from specdec.kernels import kv_compact as _kv_compact
 from specdec.kernels import paged_attention as _attention
 from specdec.kernels import softmax as _softmax
 from specdec.kernels import spec_sample as _spec_sample
@@ -75,6 +76,16 @@ def paged_attention(
     """Paged attention; see :func:`specdec.kernels.paged_attention.paged_attention_reference` for shapes."""
     fn = _launcher(_attention, "paged_attention") if use_triton(q) else _attention.paged_attention_reference
     return fn(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr)
+
+
+def kv_compact(caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Move K/V rows ``src_slots[t] -> dst_slots[t]`` (int64 ``[N]`` flat slots, every source read before any
+    destination is written) in every cache tensor of ``caches`` (e.g. ``KVPool.tensors``), in place; see
+    ``specdec.kernels.kv_compact``."""
+    triton_path = (isinstance(caches, (list, tuple)) and len(caches) > 0 and isinstance(caches[0], torch.Tensor)
+                   and use_triton(caches[0]))
+    fn = _launcher(_kv_compact, "kv_compact") if triton_path else _kv_compact.kv_compact_reference
+    fn(caches, src_slots, dst_slots)
 
 
 def softmax_with_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
