@@ -6,6 +6,7 @@ import torch
 
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.tree import DraftTree
 from specdec.engine.sequence import Sequence
 
 
@@ -45,6 +46,48 @@ class CombinedDrafter:
                     probs[row : row + len(d)] = model.probs[model_offsets[j] : model_offsets[j + 1]]
                 row += len(d)
         return DraftProposal(drafts, probs, is_onehot, forwards)
+
+    def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
+        """The lookup's tree where it has one; the draft model's tree (its chain of ``min(depth, nodes)``
+        drafts if it has no tree mode) for the requests the lookup had nothing for."""
+        free = self.lookup.propose_tree(seqs, max_depths, max_nodes)
+        misses = [i for i, t in enumerate(free.trees) if t.num_drafts == 0 and min(max_depths[i], max_nodes[i]) > 0]
+        if not misses:
+            return free
+        sub = [seqs[i] for i in misses]
+        if hasattr(self.draft_model, "propose_tree"):
+            model = self.draft_model.propose_tree(sub, [max_depths[i] for i in misses], [max_nodes[i] for i in misses])
+            model_trees, model_probs = model.trees, model.probs
+        else:
+            model = self.draft_model.propose(sub, [min(max_depths[i], max_nodes[i]) for i in misses])
+            model_trees = [DraftTree.chain(s.last_token_id, d) for s, d in zip(sub, model.token_ids)]
+            model_probs = None
+            if model.probs is not None:  # chain rows -> node rows: node j's children were drawn from row j
+                rows, start = [], 0
+                for d in model.token_ids:
+                    rows += [model.probs[start : start + len(d)], model.probs.new_zeros(1, model.probs.shape[1])]
+                    start += len(d)
+                model_probs = torch.cat(rows)  # [sum(k_b + 1), V]; each leaf row unread (zeros)
+        trees, is_onehot = list(free.trees), list(free.is_onehot)
+        forwards = [0] * len(trees)
+        for j, i in enumerate(misses):
+            trees[i], is_onehot[i] = model_trees[j], model.is_onehot[j]
+            forwards[i] = model.draft_forwards[j] if model.draft_forwards else 0
+        probs = None
+        if model_probs is not None:
+            # rows in request order, n_b + 1 per request: zeros for one-hot requests (never read)
+            probs = model_probs.new_zeros(sum(t.num_drafts + 1 for t in trees), model_probs.shape[1])
+            model_offsets = [0]
+            for t in model_trees:
+                model_offsets.append(model_offsets[-1] + t.num_drafts + 1)
+            from_model = {i: j for j, i in enumerate(misses)}
+            row = 0
+            for i, t in enumerate(trees):
+                j = from_model.get(i)
+                if j is not None and not is_onehot[i]:
+                    probs[row : row + t.num_drafts + 1] = model_probs[model_offsets[j] : model_offsets[j + 1]]
+                row += t.num_drafts + 1
+        return DraftProposal([list(t.token_ids[1:]) for t in trees], probs, is_onehot, forwards, trees)
 
     def rollback(self, seq: Sequence, kv_len: int) -> None:
         self.lookup.rollback(seq, kv_len)

@@ -6,6 +6,11 @@ context and repeats, up to k tokens. Tables are seeded from the prompt and updat
 (the engine's output after stop truncation) - never with rejected drafts, which never reach the output. Tokens
 leaving the window (512 by default) take their n-grams with them: counts are decremented, so the tables describe
 exactly the window. No prediction means no drafts: the request takes a plain decode step with no verification.
+
+Tree mode (``propose_tree``): the same tables drive a best-first expansion. A node's candidate children are the
+continuations of its context (the longest order that has one, as for the chain), each with the estimated path
+probability ``parent's * count / total``; the budget keeps the most probable nodes (after the chain itself, kept
+whenever the budget holds it), siblings most probable first (ties: the most recently seen).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 from collections import deque
 
 from specdec.drafters.base import DraftProposal
+from specdec.drafters.token_trie import best_first_tree, check_tree_budgets, tree_proposal
+from specdec.drafters.tree import DraftTree
 from specdec.engine.sequence import Sequence
 
 
@@ -68,15 +75,47 @@ class NgramTable:
             context = (context + [token])[-(self.max_order - 1):]
         return out
 
-    def _next(self, context: list[int]) -> int | None:
+    def predict_tree(self, max_depth: int, max_nodes: int) -> DraftTree:
+        """A tree of table predictions after the current history: root = the last token pushed, depth
+        ``<= max_depth``, at most ``max_nodes`` drafts, the most probable paths kept (module docstring);
+        ``predict(max_depth)`` is a root-to-node path whenever ``max_nodes`` holds it."""
+        if not self.history:
+            raise ValueError("predict_tree needs a history: its root is the last token pushed")
+        root = self.history[-1]
+        if max_depth <= 0 or max_nodes <= 0:
+            return DraftTree((root,), (-1,))
+        keep = self.max_order - 1
+
+        def expand(state: tuple[tuple[int, ...], float]) -> list[tuple[int, tuple, tuple]]:
+            context, prob = state
+            conts = self._continuations(list(context))
+            if not conts:
+                return []
+            total = sum(count for count, _ in conts.values())
+            kids = [(tok, (prob * count / total, last), ((*context, tok)[-keep:], prob * count / total))
+                    for tok, (count, last) in conts.items()]
+            kids.sort(key=lambda kid: kid[1], reverse=True)  # sibling last-seen indices differ: a total order
+            return kids
+
+        context = tuple(list(self.history)[-keep:])
+        return best_first_tree(root, (context, 1.0), expand, max_depth, max_nodes, self.predict(max_depth))
+
+    def _continuations(self, context: list[int]) -> dict[int, list[int]] | None:
+        """Continuation -> [count, last seen] of the longest order whose context matches, or None."""
         for n in range(self.max_order, self.min_order - 1, -1):
             if len(context) < n - 1:
                 continue
             conts = self.tables[n].get(tuple(context[len(context) - (n - 1):]))
             if conts:
-                # most frequent; ties broken by the most recent occurrence
-                return max(conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))[0]
+                return conts
         return None
+
+    def _next(self, context: list[int]) -> int | None:
+        conts = self._continuations(context)
+        if not conts:
+            return None
+        # most frequent; ties broken by the most recent occurrence
+        return max(conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))[0]
 
 
 class NgramDrafter:
@@ -87,16 +126,23 @@ class NgramDrafter:
         self.tables: dict[int, NgramTable] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
-        drafts = []
-        for seq, k in zip(seqs, num_tokens):
-            table = self.tables.get(seq.seq_id)
-            if table is None:
-                table = self.tables[seq.seq_id] = NgramTable(self.min_order, self.max_order, self.window)
-            tokens = seq.all_token_ids
-            for token in tokens[table.num_pushed :]:  # only emitted tokens ever reach the stream
-                table.push(token)
-            drafts.append(table.predict(k) if k > 0 else [])
+        drafts = [self._table(seq).predict(k) if k > 0 else [] for seq, k in zip(seqs, num_tokens)]
         return DraftProposal(drafts, None, [True] * len(seqs))
+
+    def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
+        """Per request a tree of table predictions (depth ``<= max_depths[i]``, ``<= max_nodes[i]`` drafts);
+        one-hot, no q."""
+        check_tree_budgets(len(seqs), max_depths, max_nodes)
+        return tree_proposal([self._table(seq).predict_tree(d, n) for seq, d, n in zip(seqs, max_depths, max_nodes)])
+
+    def _table(self, seq: Sequence) -> NgramTable:
+        """The request's table, caught up with its emitted tokens."""
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            table = self.tables[seq.seq_id] = NgramTable(self.min_order, self.max_order, self.window)
+        for token in seq.all_token_ids[table.num_pushed :]:  # only emitted tokens ever reach the stream
+            table.push(token)
+        return table
 
     def rollback(self, seq: Sequence, kv_len: int) -> None:
         pass  # the tables only ever saw emitted tokens

@@ -1,0 +1,118 @@
+"""Best-first selection of a model-free draft tree under a node budget, with one chain kept by construction.
+
+The model-free drafters (prompt lookup, n-gram) describe their candidates as an implicit trie: from a node's
+state, ``expand(state)`` lists the node's candidate children as ``(token, key, child_state)``. A key is a tuple
+of numbers that ranks nodes across the whole tree (higher = more likely) and never increases from a parent to
+its children (a match count, a path probability), so a best-first expansion from the root keeps the
+best-ranked connected set of nodes: a node is kept only if its parent is.
+
+One path - the drafter's own chain, what ``propose()`` returns - is kept first, so a tree never loses the
+chain's candidate when the budget holds it: greedy tree verification then accepts at least as many tokens as
+chain verification of the same depth.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Hashable, Sequence as Seq
+from typing import Any
+
+from specdec.drafters.base import DraftProposal
+from specdec.drafters.tree import DraftTree
+
+Key = tuple  # numbers, compared lexicographically; higher = tried first
+Expand = Callable[[Any], list[tuple[int, Key, Any]]]
+
+
+def check_tree_budgets(num_seqs: int, max_depths: Seq[int], max_nodes: Seq[int]) -> None:
+    """ValueError unless there is one non-negative depth and node budget per request."""
+    if len(max_depths) != num_seqs or len(max_nodes) != num_seqs:
+        raise ValueError(f"propose_tree needs one max_depth and one max_nodes per request: got {num_seqs} "
+                         f"requests, {len(max_depths)} max_depths, {len(max_nodes)} max_nodes")
+    for name, values in (("max_depths", max_depths), ("max_nodes", max_nodes)):
+        bad = [v for v in values if not isinstance(v, int) or v < 0]
+        if bad:
+            raise ValueError(f"{name} must be non-negative integers, got {bad[0]!r}")
+
+
+def tree_proposal(trees: list[DraftTree]) -> DraftProposal:
+    """The one-hot proposal of model-free trees: each request's drafted nodes in DFS order."""
+    return DraftProposal([list(t.token_ids[1:]) for t in trees], None, [True] * len(trees), trees=trees)
+
+
+def best_first_tree(root_token: int, root_state: Hashable, expand: Expand, max_depth: int, max_nodes: int,
+                    chain: Seq[int] = ()) -> DraftTree:
+    """A tree of at most ``max_nodes`` drafted nodes and depth ``<= max_depth``.
+
+    First the nodes of ``chain`` (as far as the budget, the depth and ``expand`` allow: each chain token must
+    be one of its parent's candidates), then best-first by key among the children of kept nodes (ties: the
+    order ``expand`` listed them in, earlier parents first). Siblings are emitted by key, best first (ties:
+    ``expand``'s order), in DFS order.
+    """
+    tokens, parents, depths, keys = [root_token], [-1], [0], [()]
+    states = [root_state]
+    cands: dict[int, list[tuple[int, Key, Any]]] = {}  # kept node -> its candidate children (lazily)
+
+    def candidates(node: int) -> list[tuple[int, Key, Any]]:
+        if node not in cands:
+            cands[node] = expand(states[node]) if depths[node] < max_depth else []  # none at max_depth
+        return cands[node]
+
+    def keep(parent: int, token: int, key: Key, state: Any) -> int:
+        tokens.append(token)
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+        keys.append(key)
+        states.append(state)
+        return len(tokens) - 1
+
+    taken: set[tuple[int, int]] = set()  # (parent node, token) already kept
+    node = 0
+    for token in chain:
+        if len(tokens) > max_nodes:
+            break
+        hit = next((c for c in candidates(node) if c[0] == token), None)
+        if hit is None:
+            break
+        taken.add((node, token))
+        node = keep(node, *hit)
+
+    heap: list[tuple[tuple, int, int, int, Any, Key]] = []  # (negated key, order, parent, token, state, key)
+    order = 0
+
+    def push_children(parent: int) -> None:
+        nonlocal order
+        room = max_nodes + 1 - len(tokens)  # no more of one node's children can still be kept
+        for token, key, state in candidates(parent):
+            if room <= 0:
+                break
+            if (parent, token) not in taken:
+                heapq.heappush(heap, (tuple(-x for x in key), order, parent, token, state, key))
+                order += 1
+                room -= 1
+
+    for kept in range(len(tokens)):
+        push_children(kept)
+    while heap and len(tokens) <= max_nodes:
+        _, _, parent, token, state, key = heapq.heappop(heap)
+        taken.add((parent, token))
+        push_children(keep(parent, token, key, state))
+
+    return _dfs(tokens, parents, keys)
+
+
+def _dfs(tokens: list[int], parents: list[int], keys: list[Key]) -> DraftTree:
+    """Renumber kept nodes (parents before children) into DFS order, siblings by key (stable)."""
+    kids: list[list[int]] = [[] for _ in tokens]
+    for i in range(1, len(tokens)):
+        kids[parents[i]].append(i)
+    new_tokens, new_parents = [], []
+    stack = [(0, -1)]
+    while stack:
+        node, parent = stack.pop()
+        new_tokens.append(tokens[node])
+        new_parents.append(parent)
+        me = len(new_tokens) - 1
+        ordered = sorted(kids[node], key=lambda c: tuple(-x for x in keys[c]))  # stable: insertion order ties
+        stack.extend((c, me) for c in reversed(ordered))
+    return DraftTree(tuple(new_tokens), tuple(new_parents))
