@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int
     eos_token_ids: tuple[int, ...]
     prepack_weights: bool | None = None
+    enable_prefix_caching: bool = True  # share cached full KV blocks of common prefixes (docs/architecture.md)
 
     @classmethod
     def create(
@@ -47,6 +48,7 @@ class EngineConfig:
         seed: int = 0,
         lookahead_slots: int = 0,
         prepack_weights: bool | None = None,
+        enable_prefix_caching: bool = True,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -58,6 +60,8 @@ class EngineConfig:
         for name, value, low in (("block_size", block_size, 1), ("max_num_seqs", max_num_seqs, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
         torch_dtype = resolve_dtype(dtype, model_config, dev)
@@ -81,7 +85,7 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1 (tokens computed per step; None = "
                              f"max(2048, max_model_len)), got {max_num_batched_tokens!r}")
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
-                   num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights)
+                   num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching)
 
 
 def eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:
@@ -93,6 +97,15 @@ def eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:
             eos = json.load(f).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
     return tuple(sorted(ids))
+
+
+def tree_size(branching: list[int]) -> int:
+    """Drafted nodes of a static tree where every node at depth d has ``branching[d]`` children."""
+    total, width = 0, 1
+    for b in branching:
+        width *= b
+        total += width
+    return total
 
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "prompt_lookup", "combined")
@@ -119,6 +132,16 @@ class SpeculativeConfig:
         adaptive: choose k per request in [0, k] from its online acceptance and the measured costs; k = 0
             switches speculation off for the request (with occasional probes).
         cost_model: inject the costs adaptive k uses (see specdec.engine.adaptive); None = measured.
+        tree: draft a token tree instead of a chain. A list of branching factors per depth, e.g. ``[3, 2, 1, 1]``
+            (every node at depth d gets ``tree[d]`` children: 3 + 6 + 6 + 6 = 21 nodes), or ``"dynamic"``: a
+            best-first tree under ``tree_budget`` nodes, each node branching into at most ``tree_max_branch``
+            children, expanded where the draft is most confident (EAGLE-2 style). The depth is capped by
+            ``num_speculative_tokens``. Model-free drafters build a trie of several earlier matches under the
+            same node budget. None (default): chains.
+        tree_budget: the most drafted nodes of a dynamic tree (and of a model-free trie with ``"dynamic"``).
+        tree_max_branch: the most children of one node in a dynamic tree.
+        tree_max_batch_size: trees are drafted only while at most this many requests run; a larger batch drafts
+            chains (on a GPU a tree is nearly free at batch 1 and costly at large batch; docs/benchmarks.md).
     """
 
     method: str = "draft_model"
@@ -133,6 +156,10 @@ class SpeculativeConfig:
     combined_lookup: str = "prompt_lookup"
     adaptive: bool = False
     cost_model: object | None = None
+    tree: list[int] | str | None = None
+    tree_budget: int = 16
+    tree_max_branch: int = 4
+    tree_max_batch_size: int = 8
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -158,6 +185,38 @@ class SpeculativeConfig:
                              f"{MODEL_FREE_LOOKUPS}")
         if self.cost_model is not None and not self.adaptive:
             raise ValueError("cost_model is only used with adaptive=True")
+        self._check_tree()
+
+    def _check_tree(self) -> None:
+        for name in ("tree_budget", "tree_max_branch", "tree_max_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        tree = self.tree
+        if tree is not None and self.adaptive:
+            raise ValueError("adaptive k and a draft tree cannot be combined yet; use one or the other")
+        if tree is None or tree == "dynamic":
+            return
+        if isinstance(tree, tuple):
+            tree = self.tree = list(tree)
+        if (not isinstance(tree, list) or not tree
+                or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in tree)):
+            raise ValueError(f"tree must be None, 'dynamic' or a non-empty list of branching factors >= 1 per depth "
+                             f"(e.g. [3, 2, 1, 1]), got {tree!r}")
+        if tree_size(tree) > 256:
+            raise ValueError(f"tree {tree} has {tree_size(tree)} nodes; at most 256 are supported")
+
+    @property
+    def uses_tree(self) -> bool:
+        return self.tree is not None
+
+    def tree_nodes(self, depth: int) -> int:
+        """Drafted nodes of this config's tree cut at ``depth`` (the slots a tree round needs)."""
+        if self.tree is None:
+            return depth
+        if self.tree == "dynamic":
+            return min(self.tree_budget, tree_size([self.tree_max_branch] * depth)) if depth > 0 else 0
+        return tree_size(self.tree[:depth])
 
     @property
     def uses_draft_model(self) -> bool:

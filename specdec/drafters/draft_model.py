@@ -21,6 +21,7 @@ import torch
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.drafters.base import DraftProposal
+from specdec.drafters.draft_tree import TreeShape, propose_tree
 from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.engine.sequence import Sequence
 from specdec.kernels.philox import STREAM_DRAFT
@@ -41,6 +42,13 @@ class DraftModelDrafter:
         self.vocab_size = config.vocab_size  # <= target_vocab_size (drafters/compat.py)
         self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
         self.on_forward = None  # optional callback (batch_size, seconds) per draft forward, for the cost model
+        self.tree_shape: TreeShape | None = None  # how propose_tree grows trees (set by the SpeculativeDecoder)
+
+    def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
+        """A draft tree per request (depth <= ``max_depths[i]``, at most ``max_nodes[i]`` drafted nodes), grown by
+        ``tree_shape``; see specdec/drafters/draft_tree.py."""
+        shape = self.tree_shape or TreeShape([1] * max(max_depths, default=0), 1)  # no shape: chains as trees
+        return propose_tree(self, seqs, max_depths, max_nodes, shape)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
         """Draft ``num_tokens[i]`` tokens for ``seqs[i]``, batched: k steps, each one forward over the requests

@@ -19,6 +19,12 @@ class ForwardItem:
     token_ids: list[int]  # the new tokens (their K/V get written)
     start_pos: int  # absolute position of token_ids[0]
     num_logits: int  # logits wanted for the last ``num_logits`` new tokens (0 = none)
+    # Tree windows (specdec/drafters/tree.py). ``positions``: the RoPE position of each new token (None:
+    # start_pos + i, the KV slot order). ``mask``: bool [len(token_ids), w], which of the last w key positions
+    # (the new tokens are the last len(token_ids) of them) token i attends; the keys before those w are context,
+    # seen by every token. None = causal.
+    positions: list[int] | None = None
+    mask: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -44,11 +50,16 @@ class ModelRunner:
         cu_q_lens = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
+        masks: list[torch.Tensor | None] = []
         for item in items:
             n = len(item.token_ids)
             assert bm.seq_len(item.seq_id) >= item.start_pos + n, "slots not reserved before the forward"
             token_ids += item.token_ids
-            positions += range(item.start_pos, item.start_pos + n)
+            if item.positions is None:
+                positions += range(item.start_pos, item.start_pos + n)
+            else:
+                positions += item.positions
+            masks.append(item.mask)
             slots += [bm.slot(item.seq_id, p) for p in range(item.start_pos, item.start_pos + n)]
             logits_indices += range(cu_q_lens[-1] + n - item.num_logits, cu_q_lens[-1] + n)
             cu_q_lens.append(cu_q_lens[-1] + n)
@@ -57,11 +68,14 @@ class ModelRunner:
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
         dev = self.device
+        tree_mask, tree_mask_indptr = _pack_masks(masks, dev)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=block_tables.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             cu_q_lens=torch.tensor(cu_q_lens, dtype=torch.int32, device=dev),
+            tree_mask=tree_mask,
+            tree_mask_indptr=tree_mask_indptr,
         )
         self.num_forwards += 1
         if input_ids is None:
@@ -76,3 +90,17 @@ class ModelRunner:
             meta,
             torch.tensor(logits_indices, dtype=torch.int64, device=dev),
         )
+
+
+def _pack_masks(masks: list[torch.Tensor | None], device: torch.device
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The paged-attention kernel's packed tree masks: bool ``[sum(q_len_b * w_b)]`` and int32 indptr ``[B+1]``,
+    or ``(None, None)`` when no item has a mask. An item without a mask gets an empty slice (causal)."""
+    if all(m is None for m in masks):
+        return None, None
+    flat = [m.reshape(-1) for m in masks if m is not None]
+    indptr = [0]
+    for m in masks:
+        indptr.append(indptr[-1] + (m.numel() if m is not None else 0))
+    return (torch.cat(flat).to(device),
+            torch.tensor(indptr, dtype=torch.int32, device=device))

@@ -19,6 +19,8 @@ from specdec.drafters.base import DraftProposal
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.compat import check_draft_compatible
 from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.drafters.draft_tree import TreeShape
+from specdec.drafters.tree import DraftTree
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine.adaptive import AdaptiveK, MeasuredCostModel
@@ -27,7 +29,9 @@ from specdec.engine.sequence import Sequence
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.loader import load_model, resolve_model_path
 from specdec.model.tokenizer import Tokenizer
-from specdec.sampling.verify import verify
+from specdec import ops
+from specdec.cache.kv_compaction import compaction_slots
+from specdec.sampling.verify import verify, verify_trees
 
 
 class SpeculativeDecoder:
@@ -54,6 +58,10 @@ class SpeculativeDecoder:
         if model_drafter is not None and self.adaptive is not None:  # draft timings feed adaptive k only
             model_drafter.on_forward = self.cost_model.observe_draft
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
+        if model_drafter is not None and spec.uses_tree:
+            model_drafter.tree_shape = TreeShape(spec.tree if isinstance(spec.tree, list) else None,
+                                                 spec.tree_max_branch)
+        self.target_pool = None  # the target's KVPool, set by the engine (tree rounds compact it)
 
     def _load_draft_model(self, tokenizer: Tokenizer | None) -> DraftModelDrafter:
         config, spec = self.config, self.spec
@@ -72,16 +80,22 @@ class SpeculativeDecoder:
                                  config.model_config.vocab_size)
 
     def lookahead(self, seq: Sequence) -> int:
-        """k_eff = min(k, max_model_len - kv_len - 1, max_tokens_left - 1, draft positions - kv_len - 1),
-        further lowered by adaptive k."""
-        kv_len = seq.num_tokens - 1  # the last token's K/V is written by this step's forward
-        left = seq.params.max_tokens - len(seq.output_token_ids)
-        k_cap = min(self.k, self.config.max_model_len - kv_len - 1, left - 1, self.draft_max_positions - kv_len - 1)
+        """Slots to reserve beyond the last token: k_eff = min(k, max_model_len - kv_len - 1, max_tokens_left - 1,
+        draft positions - kv_len - 1), further lowered by adaptive k; with a tree, the tree's nodes at depth
+        k_eff (while the batch is small enough for trees)."""
+        k_cap = self._k_cap(seq)
         if k_cap <= 0:
             return 0
         if self.adaptive is not None:
             return self.adaptive.choose(seq.seq_id, self.batch_size, k_cap)
+        if self.spec.uses_tree and self.batch_size <= self.spec.tree_max_batch_size:
+            return self.spec.tree_nodes(k_cap)
         return k_cap
+
+    def _k_cap(self, seq: Sequence) -> int:
+        kv_len = seq.num_tokens - 1  # the last token's K/V is written by this step's forward
+        left = seq.params.max_tokens - len(seq.output_token_ids)
+        return min(self.k, self.config.max_model_len - kv_len - 1, left - 1, self.draft_max_positions - kv_len - 1)
 
     def free(self, seq: Sequence) -> None:
         self.drafter.free(seq)
@@ -100,7 +114,12 @@ class SpeculativeDecoder:
                     ks.append(seq.lookahead)
         if not speculating:
             return Drafts([], {}, None, k_granted, {})
-        proposal = self.drafter.propose(speculating, ks)
+        if self.spec.uses_tree and len(batch.seqs) <= self.spec.tree_max_batch_size:
+            # the granted slots are the node budget; the depth stays within k_eff
+            depths = [min(self._k_cap(s), k) for s, k in zip(speculating, ks)]
+            proposal = self.drafter.propose_tree(speculating, depths, ks)
+        else:
+            proposal = self.drafter.propose(speculating, ks)
         # requests the drafter had nothing for take a plain step
         keep = [i for i, d in enumerate(proposal.token_ids) if d]
         seqs = [speculating[i] for i in keep]
@@ -108,6 +127,7 @@ class SpeculativeDecoder:
         return Drafts(
             seqs, {speculating[i].seq_id: proposal.token_ids[i] for i in keep}, _select(proposal, keep),
             k_granted, {s.seq_id: f for s, f in zip(speculating, forwards)},
+            {speculating[i].seq_id: proposal.trees[i] for i in keep} if proposal.trees is not None else None,
         )
 
     def observe_target(self, logits: torch.Tensor, batch_size: int, num_tokens: int, start: float) -> None:
@@ -118,19 +138,34 @@ class SpeculativeDecoder:
             torch.cuda.synchronize()
         self.cost_model.observe_target(batch_size, num_tokens, time.perf_counter() - start)
 
-    def verify(self, logits: torch.Tensor, drafts: Drafts) -> dict[int, tuple[list[int], int]]:
-        """seq id -> (emitted tokens, accepted drafts) for every request in ``drafts.seqs``.
+    def verify(self, logits: torch.Tensor, drafts: Drafts) -> dict[int, tuple[list[int], int, list[int] | None]]:
+        """seq id -> (emitted tokens, accepted drafts, accepted tree nodes or None for a chain) for every request
+        in ``drafts.seqs``.
 
         Args:
-            logits: fp32 ``[sum(k_b + 1), V]``, the target rows of the verification windows in ``drafts.seqs`` order.
+            logits: fp32 ``[sum(k_b + 1), V]``, the target rows of the verification windows in ``drafts.seqs``
+                order (a tree's window: ``n_b + 1`` rows, its nodes in DFS order).
         """
+        if drafts.trees is not None:
+            result = verify_trees(logits, drafts.seqs, drafts.proposal)
+            return {s.seq_id: (e, a, nodes) for s, e, a, nodes in
+                    zip(drafts.seqs, result.emitted, result.num_accepted, result.accepted_nodes)}
         result = verify(logits, drafts.seqs, drafts.proposal)
-        return {s.seq_id: (e, a) for s, e, a in zip(drafts.seqs, result.emitted, result.num_accepted)}
+        return {s.seq_id: (e, a, None) for s, e, a in zip(drafts.seqs, result.emitted, result.num_accepted)}
 
-    def commit_round(self, seq: Sequence, drafted: int, accepted: int, target_block_manager: BlockManager) -> None:
+    def commit_round(self, seq: Sequence, drafted: int, accepted: int, target_block_manager: BlockManager,
+                     accepted_nodes: list[int] | None = None) -> None:
         """Apply a verified round to the state outside the request: metrics, adaptive k, and the rollback -
         keep K/V of the last token and the accepted drafts (``seq.num_computed``, already committed), free
-        whole blocks beyond it in both pools, and drop draft state beyond it."""
+        whole blocks beyond it in both pools, and drop draft state beyond it. A tree round first moves the
+        accepted path's K/V (written at its nodes' DFS slots) to contiguous positions in the target's pool."""
+        if accepted_nodes is not None:
+            ctx = seq.num_computed - 1 - accepted  # the root's position
+            src, dst = compaction_slots(target_block_manager, seq.seq_id, ctx, accepted_nodes)
+            if src:
+                device = self.target_pool.tensors[0].device
+                ops.kv_compact(self.target_pool.tensors, torch.tensor(src, dtype=torch.int64, device=device),
+                               torch.tensor(dst, dtype=torch.int64, device=device))
         self._record(seq, drafted, accepted)
         if self.adaptive is not None:
             self.adaptive.observe(seq.seq_id, drafted, accepted)
@@ -160,7 +195,16 @@ def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
     others are empty, so ``probs`` needs no slicing)."""
     if len(keep) == len(proposal.token_ids):
         return proposal
-    return DraftProposal([proposal.token_ids[i] for i in keep], proposal.probs, [proposal.is_onehot[i] for i in keep])
+    trees = [proposal.trees[i] for i in keep] if proposal.trees is not None else None
+    probs = proposal.probs
+    if trees is not None and probs is not None:  # tree q rows are per node, roots included: select them
+        starts = [0]
+        for t in proposal.trees:
+            starts.append(starts[-1] + len(t.token_ids))
+        rows = [r for i in keep for r in range(starts[i], starts[i + 1])]
+        probs = probs[torch.tensor(rows, dtype=torch.int64, device=probs.device)]
+    return DraftProposal([proposal.token_ids[i] for i in keep], probs, [proposal.is_onehot[i] for i in keep],
+                         None, trees)
 
 
 @dataclass
@@ -172,3 +216,4 @@ class Drafts:
     proposal: DraftProposal | None  # restricted to ``seqs``
     k_granted: dict[int, int]  # seq id -> lookahead granted, for every decode step of the batch
     draft_forwards: dict[int, int]  # seq id -> draft-model forwards it took part in
+    trees: dict[int, DraftTree] | None = None  # seq id -> its draft tree, when this round drafted trees

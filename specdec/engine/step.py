@@ -32,6 +32,7 @@ class RequestUpdate:
     accepted: int = 0
     verified: bool = False  # the tokens came from a verification round
     draft_forwards: int = 0
+    accepted_nodes: list[int] | None = None  # a tree round: the accepted path's nodes (depth 1..accepted)
     logprobs: list[TokenLogprobs] | None = None  # one per new token when params.logprobs is set (logprobs hook)
 
 
@@ -47,7 +48,12 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
     items: list[ForwardItem] = []
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         d = drafts.token_ids.get(seq.seq_id) if drafts else None
-        if d:  # a verification window: the last token, then the drafts
+        tree = drafts.trees.get(seq.seq_id) if drafts and drafts.trees else None
+        if d and tree is not None:  # a tree window: its nodes in DFS order, node i at RoPE ctx + depth(i)
+            items.append(ForwardItem(seq.seq_id, list(tree.token_ids), seq.num_computed, len(tree.token_ids),
+                                     positions=[seq.num_computed + depth for depth in tree.depths],
+                                     mask=tree.mask()))
+        elif d:  # a verification window: the last token, then the drafts
             items.append(ForwardItem(seq.seq_id, [seq.last_token_id] + d, seq.num_computed, len(d) + 1))
         else:
             items.append(plain_item(seq, n))
@@ -76,10 +82,12 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
         k_granted = drafts.k_granted.get(seq.seq_id) if drafts else None
         forwards = drafts.draft_forwards.get(seq.seq_id, 0) if drafts else 0
         if seq.seq_id in verified:
-            emitted, accepted = verified[seq.seq_id]
-            drafted = len(drafts.token_ids[seq.seq_id])
+            emitted, accepted, nodes = verified[seq.seq_id]
+            tree = drafts.trees.get(seq.seq_id) if drafts.trees else None
+            # drafted positions: a chain's length, a tree's depth (its node count is in the proposal)
+            drafted = tree.max_depth if tree is not None else len(drafts.token_ids[seq.seq_id])
             updates.append(RequestUpdate(seq, seq.num_computed + 1 + accepted, emitted, k_granted, drafted,
-                                         accepted, True, forwards))
+                                         accepted, True, forwards, accepted_nodes=nodes))
         else:
             updates.append(RequestUpdate(seq, seq.num_computed + n, sampled.get(seq.seq_id, []), k_granted,
                                          draft_forwards=forwards))
@@ -90,6 +98,9 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
         starts = itertools.accumulate((item.num_logits for item in items), initial=0)
         first_row = {seq.seq_id: start for seq, start in zip(batch.seqs, starts)}
         token_rows = {u.seq.seq_id: [first_row[u.seq.seq_id] + j for j in range(len(u.new_tokens))] for u in updates}
+        for u in updates:  # a tree: token j comes from the row of the path's node at depth j (the root's for j = 0)
+            if u.accepted_nodes is not None:
+                token_rows[u.seq.seq_id] = [first_row[u.seq.seq_id] + node for node in [0, *u.accepted_nodes]]
         attach_logprobs(logits, updates, token_rows)
     return updates
 

@@ -13,6 +13,7 @@ import torch
 
 from specdec import ops
 from specdec.drafters.base import DraftProposal
+from specdec.drafters.tree import DraftTree
 from specdec.engine.sequence import Sequence
 from specdec.sampling.penalties import penalty_context
 from specdec.sampling.sampler import greedy, nonfinite_rows, read_checked
@@ -94,3 +95,86 @@ def _verify_greedy(target_argmax: list[int], drafts: list[list[int]]) -> VerifyR
         accepted.append(n)
         row += len(d) + 1
     return VerifyResult(emitted, accepted)
+
+
+@dataclass
+class TreeVerifyResult:
+    emitted: list[list[int]]  # per request: the accepted path's tokens, then the correction or bonus token
+    num_accepted: list[int]
+    accepted_nodes: list[list[int]]  # per request: the accepted path's node indices (depth 1..num_accepted)
+
+
+def verify_trees(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) -> TreeVerifyResult:
+    """Accept/reject the draft trees of ``seqs`` (``proposal.trees``, nodes in DFS order).
+
+    Args:
+        logits: fp32 ``[sum(n_b + 1), V]`` target logits; request b owns n_b + 1 consecutive rows, row i = p at its
+            node i (conditioned on the context and the path to node i).
+        proposal: the trees and, for sampled drafts, q per node (``DraftProposal.probs``, the same row layout).
+    Greedy requests follow, from the root, the child equal to the target's argmax; sampled requests run
+    multi-draft recursive rejection sampling (``ops.tree_sample``). One host read.
+    """
+    device = logits.device
+    trees = proposal.trees
+    # row i of request b is conditioned on output + the path to node i
+    row_params = [s.params for s, t in zip(seqs, trees) for _ in t.token_ids]
+    st = SamplingTensors.from_params(row_params, device)
+    if st.any_penalty:
+        prompts = [s.prompt_token_ids for s, t in zip(seqs, trees) for _ in t.token_ids]
+        outputs = [s.output_token_ids + t.path_tokens(i) for s, t in zip(seqs, trees) for i in range(len(t.token_ids))]
+        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], device)
+        logits = apply_penalties(logits, seen, counts, st)
+    target_argmax = greedy(logits)  # (R,)
+    if st.all_greedy:
+        argmax = _read(target_argmax, nonfinite_rows(logits))  # the round's one host read
+        return _verify_trees_greedy(argmax, trees)
+    target_probs, bad = standardize_unchecked(logits, st)  # (R, V)
+    cu = [0]
+    for t in trees:
+        cu.append(cu[-1] + len(t.token_ids))
+    max_depth = max(t.max_depth for t in trees)
+    out, num_accepted, nodes = ops.tree_sample(
+        torch.tensor([x for t in trees for x in t.token_ids], dtype=torch.int64, device=device),
+        torch.tensor([p for t in trees for p in t.parents], dtype=torch.int32, device=device),
+        torch.tensor(cu, dtype=torch.int32, device=device),
+        proposal.probs,
+        target_probs,
+        target_argmax,
+        torch.tensor([s.params.is_greedy for s in seqs], dtype=torch.bool, device=device),
+        torch.tensor(proposal.is_onehot, dtype=torch.bool, device=device),
+        torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
+        torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
+        max_depth,
+    )
+    flat = _read(torch.cat([out.flatten(), num_accepted.long(), nodes.long().flatten()]), bad)  # one host read
+    b_count, width = out.shape
+    accepted = flat[b_count * width : b_count * width + b_count]
+    node_flat = flat[b_count * width + b_count :]
+    return TreeVerifyResult(
+        [flat[b * width : b * width + n + 1] for b, n in enumerate(accepted)],
+        accepted,
+        [node_flat[b * max_depth : b * max_depth + n] for b, n in enumerate(accepted)],
+    )
+
+
+def _verify_trees_greedy(target_argmax: list[int], trees: list[DraftTree]) -> TreeVerifyResult:
+    """All rows greedy: from the root, follow the child whose token is the target's argmax at the current node;
+    emit the argmax where no child matches (or at a leaf). There is at most one such child (siblings differ), so
+    this is the longest greedy-accepted root-to-leaf path."""
+    emitted, accepted, paths = [], [], []
+    row = 0
+    for t in trees:
+        kids = t.children()
+        node, path = 0, []
+        while True:
+            want = target_argmax[row + node]
+            nxt = next((c for c in kids[node] if t.token_ids[c] == want), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        emitted.append([t.token_ids[c] for c in path] + [target_argmax[row + node]])
+        accepted.append(len(path))
+        paths.append(path)
+        row += len(t.token_ids)
+    return TreeVerifyResult(emitted, accepted, paths)

@@ -1,0 +1,136 @@
+"""Token trees in the engine: greedy parity (fp32 CPU) with static and dynamic trees from the draft model and from
+model-free tries, trees mixed with plain rows and prefill chunks in one step, compaction across block boundaries,
+the batch-size policy, and no leaked blocks after random tree rounds."""
+
+import pytest
+import torch
+
+import specdec
+from specdec import SamplingParams, SpeculativeConfig
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def prompts(n, seed=0, lo=3, hi=40, repeat=False):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 257, (int(torch.randint(lo, hi, (1,), generator=gen)),), generator=gen).tolist()
+        out.append(ids * 2 if repeat else ids)  # repeated text gives prompt lookup / n-gram something to match
+    return out
+
+
+def tree_llm(target, spec: SpeculativeConfig, **kwargs):
+    return specdec.LLM(target, dtype="float32", block_size=4, max_model_len=kwargs.pop("max_model_len", 256),
+                       speculative=spec, **kwargs)
+
+
+def assert_no_leak(llm):
+    pools = [llm.engine.block_manager]
+    if llm.engine.speculative.block_manager is not None:
+        pools.append(llm.engine.speculative.block_manager)
+    for bm in pools:
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+def tree_rounds(outs):
+    return sum(o.metrics["num_rounds"] for o in outs)
+
+
+@pytest.mark.parametrize("tree", [[2, 2, 1, 1], [3, 1], [1, 1, 1, 1], "dynamic"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_draft_model_tree_greedy_parity(tiny_pair, tiny_pair_plain, tree, batch):
+    ps = prompts(6, seed=len(str(tree)) + batch)
+    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=4, tree=tree, tree_budget=10)
+    llm = tree_llm(tiny_pair[0], spec, max_num_seqs=batch)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    accepted = sum(o.metrics["accepted"] for o in outs)
+    assert accepted > 0 and tree_rounds(outs) > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["prompt_lookup", "ngram"])
+@pytest.mark.parametrize("tree", [[3, 2, 1, 1], "dynamic"])
+def test_model_free_tree_greedy_parity(tiny_pair, tiny_pair_plain, method, tree):
+    ps = prompts(4, seed=5, repeat=True)
+    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    llm = tree_llm(tiny_pair[0], SpeculativeConfig(method=method, num_speculative_tokens=4, tree=tree),
+                   max_num_seqs=4)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert sum(o.metrics["accepted"] for o in outs) > 0
+    assert_no_leak(llm)
+
+
+def test_trees_mixed_with_prefill_chunks_and_plain_rows(tiny_pair, tiny_pair_plain):
+    """A small token budget splits long prompts into chunks that share steps with tree rounds; requests near
+    max_tokens take plain steps (k_eff = 0) in those same steps."""
+    ps = prompts(3, seed=7, lo=3, hi=8) + prompts(2, seed=8, lo=60, hi=90)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 2, 17, 24, 9)]
+    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree=[2, 2, 1])
+    llm = tree_llm(tiny_pair[0], spec, max_num_seqs=5, max_num_batched_tokens=24)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert_no_leak(llm)
+
+
+def test_tree_accepts_at_least_the_chain_under_greedy(tiny_pair):
+    """The static tree [2, 2, 2] contains the chain's drafts (each node's first child is the draft's argmax),
+    so under greedy verification it accepts at least as many tokens per round as the chain of the same depth."""
+    ps = prompts(4, seed=9)
+    chain = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3))
+    tree = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3,
+                                                    tree=[2, 2, 2]))
+    c = chain.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    t = tree.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in c] == [o.outputs[0].token_ids for o in t]
+    tau_chain = sum(len(o.outputs[0].token_ids) for o in c) / tree_rounds(c)
+    tau_tree = sum(len(o.outputs[0].token_ids) for o in t) / tree_rounds(t)
+    assert tau_tree >= tau_chain
+
+
+def test_large_batches_draft_chains(tiny_pair, tiny_pair_plain):
+    """Above tree_max_batch_size the same engine drafts chains (the policy of docs/architecture.md)."""
+    ps = prompts(4, seed=10)
+    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree=[3, 1, 1],
+                             tree_max_batch_size=2)
+    llm = tree_llm(tiny_pair[0], spec, max_num_seqs=4)
+    seen = []
+    original = llm.engine.speculative.drafter.propose_tree
+
+    def spy(seqs, *args):
+        seen.append(len(seqs))
+        return original(seqs, *args)
+
+    llm.engine.speculative.drafter.propose_tree = spy
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert seen and max(seen) <= 2  # trees only in steps with <= 2 running requests
+    assert_no_leak(llm)
+
+
+def test_random_tree_rounds_leak_nothing(tiny_pair):
+    """Random prompts, lengths, parameters and aborts with sampled trees: every block returns to both pools."""
+    gen = torch.Generator().manual_seed(11)
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=4, tree="dynamic", tree_budget=9)
+    llm = tree_llm(tiny_pair[0], spec, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=96)
+    engine = llm.engine
+    for i, ids in enumerate(prompts(8, seed=12, lo=2, hi=50)):
+        t = float(torch.rand(1, generator=gen)) * 1.2
+        engine.add_request(request_id=f"r{i}", prompt_token_ids=ids, params=SamplingParams(
+            temperature=t if t > 0.2 else 0.0, top_k=int(torch.randint(0, 20, (1,), generator=gen)),
+            max_tokens=int(torch.randint(1, 40, (1,), generator=gen)), seed=i, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 5:
+            engine.abort("r1")
+        assert steps < 500
+    assert engine.stats.get("failed_requests", 0) == 0
+    assert_no_leak(llm)
