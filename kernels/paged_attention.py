@@ -36,13 +36,14 @@ def _attend_tile(
     acc, m_i, l_i,  # running state: fp32 [BLOCK_M, HEAD_DIM_PAD], [BLOCK_M], [BLOCK_M]
     q,  # [BLOCK_M, HEAD_DIM_PAD]
     t,  # KV tile: keys t * BLOCK_N + [0, BLOCK_N)
-    kv_end, prefix, q_idx, mask_seq_ptr, mask_rows,
+    kv_end, prefix, q_idx, has_tree, mask_seq_ptr, mask_rows,
     bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     offs_d, d_ok, scale_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     TREE: tl.constexpr, MASKED: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over a KV tile; MASKED=False when every key of the tile is visible to every row."""
+    """One online-softmax step over a KV tile; MASKED=False when every key of the tile is visible to every row.
+    With TREE, ``has_tree`` (this sequence's mask slice is not empty) picks the tree mask or the causal one."""
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] logical key positions
     pos_ok = pos < kv_end
     blk = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)  # [BLOCK_N] physical ids
@@ -54,13 +55,16 @@ def _attend_tile(
     # [BLOCK_M, BLOCK_N] (K loaded transposed: [HEAD_DIM_PAD, BLOCK_N])
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
+        causal = pos[None, :] <= (prefix + q_idx)[:, None]  # implies pos < kv_end on real rows
         if TREE:
             j = pos - prefix  # index among the new tokens; < 0 in the context prefix
-            in_tree = pos_ok & (j >= 0)
+            # NOTE: tl.where, not `vector & scalar` (rejected by triton 3.9); no mask byte is read when causal.
+            in_tree = tl.where(has_tree, pos_ok & (j >= 0), False)
             tm = tl.load(mask_seq_ptr + (mask_rows[:, None] + j[None, :]), mask=in_tree[None, :], other=0)
-            visible = ((j < 0)[None, :] | (tm != 0)) & pos_ok[None, :]
+            tree_visible = ((j < 0)[None, :] | (tm != 0)) & pos_ok[None, :]
+            visible = tl.where(has_tree, tree_visible, causal)
         else:
-            visible = pos[None, :] <= (prefix + q_idx)[:, None]  # causal; implies pos < kv_end on real rows
+            visible = causal
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # NOTE: a row that has seen no visible key yet keeps m = -inf; shift by 0 there to avoid inf - inf.
@@ -85,7 +89,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # int32 [B, max_blocks]
     seq_lens_ptr,  # int32 [B]
     cu_q_lens_ptr,  # int32 [B+1]
-    tree_mask_ptr,  # uint8 [sum(q_len^2)] (unused unless TREE)
+    tree_mask_ptr,  # uint8 packed masks: [q_len^2] or [] per sequence (unused unless TREE)
     tree_mask_indptr_ptr,  # int32 [B+1] (unused unless TREE)
     out_ptr,  # [T, Hq, D] (unused if SPLIT)
     part_acc_ptr,  # fp32 [num_splits, T, Hq, D] unnormalised outputs (used iff SPLIT)
@@ -108,7 +112,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows of the score tile: (token, query head) pairs
     BLOCK_N: tl.constexpr,  # keys per KV tile
     BLOCK_N_MASKED: tl.constexpr,  # keys per KV tile in the masked loop; divides BLOCK_N
-    TREE: tl.constexpr,  # packed tree mask over the new tokens (else causal)
+    TREE: tl.constexpr,  # packed tree masks (a sequence with an empty slice is causal); else all causal
     SPLIT: tl.constexpr,  # write partial softmax state for the reduce kernel (else the final output)
     DOT_F32: tl.constexpr,  # upcast K/V/P to fp32 before tl.dot (the interpreter's bf16 dot is wrong)
     DOT_PRECISION: tl.constexpr,  # tl.dot input_precision: "ieee" for fp32 operands, None (default) otherwise
@@ -158,14 +162,17 @@ def _paged_attention_kernel(
     # Keys [0, kv_end) may be visible: all the context for a tree (a mask may point anywhere), else up to the
     # tile's last new token. Keys [0, unmasked_end) are visible to every row of the tile: the context prefix
     # for a tree, and up to the tile's first new token when causal.
+    kv_end = prefix + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    unmasked_end = prefix + q_tile * BLOCK_Q + 1
     if TREE:
-        kv_end = ctx_len
-        unmasked_end = prefix
-        mask_seq_ptr = tree_mask_ptr + tl.load(tree_mask_indptr_ptr + seq).to(tl.int64)
+        mask_start = tl.load(tree_mask_indptr_ptr + seq)
+        has_tree = tl.load(tree_mask_indptr_ptr + seq + 1) > mask_start  # an empty slice: causal
+        kv_end = tl.where(has_tree, ctx_len, kv_end)
+        unmasked_end = tl.where(has_tree, prefix, unmasked_end)
+        mask_seq_ptr = tree_mask_ptr + mask_start.to(tl.int64)
         mask_rows = q_row * q_len  # [BLOCK_M] int32 offsets of each row's mask in mask_seq_ptr
     else:
-        kv_end = prefix + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-        unmasked_end = prefix + q_tile * BLOCK_Q + 1
+        has_tree = False  # unused
         mask_seq_ptr = tree_mask_ptr  # unused
         mask_rows = q_idx  # unused
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
@@ -186,7 +193,7 @@ def _paged_attention_kernel(
     # the keys past kv_end.
     for t in range(tile_lo, tl.minimum(tile_hi, num_unmasked_tiles)):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, mask_seq_ptr, mask_rows,
+            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, has_tree, mask_seq_ptr, mask_rows,
             bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N, TREE, False, DOT_F32, DOT_PRECISION,
         )  # fmt: skip
@@ -194,7 +201,7 @@ def _paged_attention_kernel(
     masked_hi = tl.minimum(tile_hi * SUB, tl.cdiv(kv_end, BLOCK_N_MASKED))
     for t in range(tl.maximum(tile_lo, num_unmasked_tiles) * SUB, masked_hi):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, mask_seq_ptr, mask_rows,
+            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, has_tree, mask_seq_ptr, mask_rows,
             bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N_MASKED, TREE, True, DOT_F32, DOT_PRECISION,
         )  # fmt: skip
@@ -482,9 +489,11 @@ def paged_attention(
         seq_lens: int32 ``[B]`` context length per sequence, new tokens included (``q_len <= seq_len``).
         cu_q_lens: int32 ``[B+1]`` cumulative new-token counts, ``cu_q_lens[B] == T``; ``q_len == 0`` allowed.
         scale: softmax scale, usually ``D ** -0.5``.
-        tree_mask: optional bool/uint8 ``[sum(q_len_b ** 2)]``, row-major ``[q_len, q_len]`` per sequence: new
-            token i sees new token j iff ``mask[i, j]`` (and always the context prefix). Default: causal.
+        tree_mask: optional bool/uint8, contiguous 1-d: packed row-major ``[q_len, q_len]`` masks: new token i sees
+            new token j iff ``mask[i, j]`` (and always the context prefix). Default: causal.
         tree_mask_indptr: int32 ``[B+1]`` offsets of each sequence's mask in ``tree_mask`` (with ``tree_mask``).
+            Sequence b's slice ``tree_mask[indptr[b]:indptr[b+1]]`` is either empty - b is causal, as without a
+            mask (a prefill chunk or chain in a tree batch costs no mask bytes) - or exactly ``q_len_b ** 2``.
         num_splits: KV splits per (q tile, KV head) program, merged by a second kernel (flash-decoding);
             default from :func:`num_kv_splits`. A tuning/testing knob, not part of the attention contract.
     Returns:
@@ -577,6 +586,13 @@ def _check_values(q, k_cache, block_tables, seq_lens, cu_q_lens, tree_mask, tree
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         raise ValueError(f"block_tables holds ids outside [0, {num_blocks}) in the blocks that seq_lens uses")
     if tree_mask is not None:
-        ends = tree_mask_indptr[:-1].long() + q_lens.long() ** 2
-        if bool((tree_mask_indptr < 0).any()) or bool((ends > tree_mask.numel()).any()):
-            raise ValueError("tree_mask_indptr[b] + q_len_b ** 2 must lie within tree_mask")
+        sizes = (tree_mask_indptr[1:] - tree_mask_indptr[:-1]).long()  # [B]
+        squares = q_lens.long() ** 2
+        bad = ((sizes != 0) & (sizes != squares)).nonzero().flatten().tolist()
+        if bad:
+            b = bad[0]
+            raise ValueError(f"sequence {b}'s tree mask slice (tree_mask_indptr[{b}:{b + 2}]) has {int(sizes[b])} "
+                             f"entries; it must be empty (causal) or q_len ** 2 = {int(squares[b])}")
+        if int(tree_mask_indptr[0]) < 0 or int(tree_mask_indptr[-1]) > tree_mask.numel():
+            raise ValueError(f"tree_mask_indptr must rise from >= 0 to <= tree_mask's {tree_mask.numel()} entries: "
+                             f"every mask slice must lie within tree_mask")

@@ -3,7 +3,8 @@
 Same contract as ``paged_attention`` (docs/architecture.md). Sequences whose new-token count is at most
 ``WINDOW_BATCH_MAX_Q`` (decodes, verification windows, small tree windows) are attended in one padded SDPA
 call: their queries are padded to ``[n, Hq, Qmax, D]``, their K/V gathered through the block tables to
-``[n, Hkv, Lmax, D]`` and a boolean ``[n, 1, Qmax, Lmax]`` mask encodes context length, causality or the tree.
+``[n, Hkv, Lmax, D]`` and a boolean ``[n, 1, Qmax, Lmax]`` mask encodes context length, causality or the tree
+(a sequence with an empty tree-mask slice is causal).
 Longer ones (prefill chunks) get one SDPA call each, so a prefill never pads a batch of decodes. All inputs are
 4-D so that torch picks its fused CPU flash kernel rather than the math fallback (measured on SmolLM2, 5-token
 windows: the math path with GQA expansion was ~23% of the forward).
@@ -43,9 +44,11 @@ def paged_attention_reference(
         cu_q_lens: int32 ``[B+1]`` cumulative new-token counts; sequence b owns q rows
             ``cu_q_lens[b]:cu_q_lens[b+1]``, which are its last ``q_len`` context positions.
         scale: softmax scale, usually ``D ** -0.5``.
-        tree_mask: optional bool/uint8 ``[sum(q_len_b ** 2)]``, row-major ``[q_len, q_len]`` per sequence:
-            new token i sees new token j iff ``mask[i, j]``. Without it the new tokens are causal.
-        tree_mask_indptr: int32 ``[B+1]`` offsets of each sequence's mask in ``tree_mask``.
+        tree_mask: optional bool/uint8 packed per-sequence masks, row-major ``[q_len, q_len]`` each: new token i
+            sees new token j iff ``mask[i, j]``. Without it the new tokens are causal.
+        tree_mask_indptr: int32 ``[B+1]`` offsets of each sequence's mask in ``tree_mask``. A sequence's slice
+            ``tree_mask[indptr[b]:indptr[b+1]]`` is either empty - that sequence is causal, as without a mask
+            (prefill chunks, chains, decodes in a tree batch) - or exactly ``q_len_b ** 2`` entries.
     Returns:
         ``[T, Hq, D]`` in q's dtype (computed in fp32).
     """
@@ -144,18 +147,21 @@ def _window_plan(seqs, q_lens, cu, seq_lens_l, block_tables, tree_mask, tree_mas
     query_pos = lens_t[:, None] - qls_t[:, None] + torch.arange(max_q, device=device)[None, :]  # [n, Qmax]
     visible = torch.arange(max_len, device=device)[None, None, :] <= query_pos[:, :, None]  # [n, Qmax, Lmax]
     if tree_mask is not None:
+        indptr = tree_mask_indptr.tolist()
         for j, b in enumerate(seqs):
-            ql, prefix, m0 = qls[j], lens[j] - qls[j], int(tree_mask_indptr[b])
-            visible[j, :ql, prefix : prefix + ql] = tree_mask[m0 : m0 + ql * ql].view(ql, ql).bool()
+            ql, prefix, m0 = qls[j], lens[j] - qls[j], indptr[b]
+            if indptr[b + 1] > m0:  # an empty slice keeps the causal rows built above
+                visible[j, :ql, prefix : prefix + ql] = tree_mask[m0 : m0 + ql * ql].view(ql, ql).bool()
     return _Windows(rows, seq_of_row, pos_in_seq, blocks, max_len, max_q, visible[:, None])
 
 
 def _causal_or_tree(b, q_len, ctx, tree_mask, tree_mask_indptr, device) -> torch.Tensor:
-    """bool [q_len, ctx]: which context positions each of sequence b's new tokens sees."""
+    """bool [q_len, ctx]: which context positions each of sequence b's new tokens sees (causal without a mask or
+    with an empty mask slice)."""
     prefix = ctx - q_len
     visible = torch.ones(q_len, ctx, dtype=torch.bool, device=device)
-    if tree_mask is not None:
-        m0 = int(tree_mask_indptr[b])
+    m0 = int(tree_mask_indptr[b]) if tree_mask is not None else 0
+    if tree_mask is not None and int(tree_mask_indptr[b + 1]) > m0:
         visible[:, prefix:] = tree_mask[m0 : m0 + q_len * q_len].view(q_len, q_len).bool()
     else:
         visible[:, prefix:] = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
