@@ -1,4 +1,5 @@
-"""Command line: ``specdec generate``, ``specdec demo`` and ``specdec convert`` (also ``python -m specdec``).
+"""Command line: ``specdec generate``, ``specdec serve``, ``specdec demo`` and ``specdec convert`` (also
+``python -m specdec``).
 
 The sampling options of ``generate`` take their defaults from the fields of :class:`specdec.SamplingParams`
 (and ``--num-speculative-tokens`` from :class:`specdec.SpeculativeConfig`), so the CLI and the Python API
@@ -62,10 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for Llama models",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,demo,convert}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,demo,convert}")
     _generate_parser(sub.add_parser("generate", help="generate text from a prompt", formatter_class=_HelpFormatter,
                                     description="Generate text from a prompt; sampling defaults are "
                                                 "specdec.SamplingParams' defaults."))
+    _serve_parser(sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)",
+                                 formatter_class=_HelpFormatter,
+                                 description="Serve a model over an OpenAI-compatible HTTP API (docs/api.md, "
+                                             "'Server'); needs the 'serve' extra."))
     _demo_parser(sub.add_parser("demo", help="plain vs speculative (prompt lookup) decoding on a copy-heavy prompt",
                                 formatter_class=_HelpFormatter,
                                 description="Time the same greedy request plain and with prompt lookup."))
@@ -80,10 +85,7 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
                      help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                     help="as LLM(dtype=): auto = the checkpoint's on GPU, the faster one on CPU")
-    gen.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as LLM(device=)")
-    gen.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    _engine_args(gen)
     group = gen.add_argument_group("sampling (defaults: specdec.SamplingParams)")
     defaults = sampling_defaults()
     for option, field, kind, text in SAMPLING_OPTIONS:
@@ -93,6 +95,37 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", default=defaults["ignore_eos"],
                        help="keep generating past the end-of-sequence token, up to --max-tokens")
     _speculative_args(gen)
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    """Options of the engine shared by ``generate`` and ``serve``."""
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="as LLM(dtype=): auto = the checkpoint's on GPU, the faster one on CPU")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="as LLM(device=)")
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="as LLM(enable_prefix_caching=False): compute every prompt in full, share no KV blocks")
+
+
+def _serve_parser(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("model", nargs="?", default=None,
+                       help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients pass as 'model' (default: MODEL as given, or 'default')")
+    serve.add_argument("--max-waiting", type=_non_negative_int, default=64,
+                       help="requests queued beyond --max-num-seqs; more get HTTP 503 with Retry-After")
+    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
+    _engine_args(serve)
+    serve.add_argument("--max-model-len", type=_positive_int, default=None,
+                       help="longest prompt + output (default: min(the model's limit, 8192))")
+    serve.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most sequences decoded together")
+    serve.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV-cache pool size in GiB")
+    serve.add_argument("--seed", type=int, default=0, help="seeds the per-request seeds of unseeded requests")
+    _speculative_args(serve)
 
 
 def _demo_parser(demo: argparse.ArgumentParser) -> None:
@@ -123,7 +156,7 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 2 bad arguments or input, 130 interrupted)."""
     args = build_parser().parse_args(argv)
-    commands = {"generate": _generate, "demo": _demo, "convert": _convert}
+    commands = {"generate": _generate, "serve": _serve, "demo": _demo, "convert": _convert}
     try:
         return commands[args.command](args)
     except ValueError as e:
@@ -194,6 +227,36 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``specdec serve``: validate the options, load the model, serve until SIGINT / SIGTERM."""
+    try:
+        from specdec.serve.server import run_server
+    except ModuleNotFoundError as e:
+        raise ValueError(f"specdec serve needs the 'serve' extra ({e.name} is missing): "
+                         "pip install 'specdec[serve]'") from e
+    import torch
+
+    speculative = speculative_config(args)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {args.port}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    name = args.served_model_name or args.model or "default"
+    run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting, args.shutdown_timeout,
+               speculative, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+               max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
+               enable_prefix_caching=args.enable_prefix_caching)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -203,7 +266,8 @@ def _generate(args: argparse.Namespace) -> int:
     speculative = speculative_config(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative)
+    llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative,
+              enable_prefix_caching=args.enable_prefix_caching)
     prompt = args.prompt
     if args.chat:
         if llm.tokenizer is None:

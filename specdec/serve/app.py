@@ -1,0 +1,333 @@
+"""The OpenAI-compatible HTTP API (FastAPI): completions and chat (SSE streaming or not), models, health, metrics.
+
+Each HTTP request becomes one engine request per prompt (``n`` samples each) on the ``AsyncEngine``; choice
+``i * n + j`` is sample j of prompt i. Errors use OpenAI's shape (``protocol.RequestError``): 400 for a bad or
+unsupported field (named in ``param``), 404 for another model name, 503 with ``Retry-After`` when the waiting
+queue is full or the server is shutting down, 500 when the request failed inside the engine (``finish_reason
+"error"``). A streamed request that fails after its first chunk ends with an ``{"error": ...}`` event, then
+``[DONE]``. A client that disconnects aborts its requests at once (their KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specdec.engine.engine import LLMEngine
+from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.serve.async_engine import AsyncEngine, QueueFullError, RequestStream, ShuttingDownError
+from specdec.serve.metrics import ServerMetrics
+from specdec.serve.protocol import ParsedRequest, RequestError, parse_chat, parse_completion
+
+RETRY_AFTER_S = 1  # what a 503 tells the client to wait
+
+
+def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdown_timeout: float = 10.0) -> FastAPI:
+    """The ASGI app serving ``engine`` as ``model_name``. The engine loop starts and stops with the app's
+    lifespan (uvicorn runs it); ``app.state.async_engine`` is the ``AsyncEngine``."""
+    metrics = ServerMetrics(model_name)
+    async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        yield
+        await async_engine.shutdown(shutdown_timeout)
+
+    app = FastAPI(title="specdec", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    created = int(time.time())
+    server = _Server(async_engine, metrics, model_name)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "error", "error": async_engine.loop_error}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "specdec",
+            "max_model_len": engine.config.max_model_len}]})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.handle(request, chat=True)
+
+    return app
+
+
+class _Server:
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str):
+        self.engine = async_engine
+        self.metrics = metrics
+        self.model_name = model_name
+        self.tokenizer = async_engine.engine.tokenizer
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        try:
+            try:
+                body = json.loads(await request.body())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise RequestError(f"the request body is not valid JSON: {e}") from None
+            req = parse_chat(body, self.model_name) if chat else parse_completion(body, self.model_name)
+            if chat:
+                req.prompts = [self._render(req.messages)]
+            streams = await self._add_all(req)
+        except RequestError as e:
+            return self._error(e)
+        created = int(time.time())
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(self._sse(streams, req, rid, created), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, streams, req, rid, created)
+
+    def _render(self, messages: list[dict]) -> str:
+        """The chat template applied to ``messages`` (a pure function of the read-only tokenizer, so it runs here,
+        off the engine thread)."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer, so chat requests cannot be rendered", "messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise RequestError(str(e), "messages") from None
+
+    async def _add_all(self, req: ParsedRequest) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for prompt in req.prompts:
+                text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+                streams.append(await self.engine.add(text, req.params, ids, fill_max_tokens=req.fill_max_tokens))
+        except BaseException as e:
+            for s in streams:
+                self.engine.abort(s.request_id)
+            if isinstance(e, ValueError):
+                raise RequestError(_engine_message(str(e)), _engine_param(str(e), req.chat)) from None
+            if isinstance(e, QueueFullError):
+                raise RequestError(str(e), None, status=503, type="server_overloaded", code="queue_full") from None
+            if isinstance(e, ShuttingDownError):
+                raise RequestError(str(e), None, status=503, type="server_unavailable") from None
+            raise
+        return streams
+
+    def _error(self, e: RequestError) -> Response:
+        self.metrics.rejected.labels(status=str(e.status)).inc()
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    # --- non-streaming ----------------------------------------------------------------------------------------
+    async def _complete(self, request: Request, streams: list[RequestStream], req: ParsedRequest, rid: str,
+                        created: int) -> Response:
+        collect = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():  # the client left (or this task was cancelled): abort, free the blocks
+                collect.cancel()
+                for s in streams:
+                    self.engine.abort(s.request_id)
+        if not collect.done() or collect.cancelled():
+            return Response(status_code=499)
+        finals: list[RequestOutput] = collect.result()
+        failed = _failure(finals)
+        if failed is not None:
+            return self._error(failed)
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                choice = {"index": i * req.n + c.index, "finish_reason": c.finish_reason}
+                logprobs = self._logprobs(c, 0, len(c.token_ids), req, 0) if req.logprobs is not None else None
+                if req.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choice["logprobs"] = logprobs
+                choices.append(choice)
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({
+            "id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": created,
+            "model": self.model_name, "choices": choices, "usage": _usage(finals)})
+
+    # --- streaming --------------------------------------------------------------------------------------------
+    async def _sse(self, streams: list[RequestStream], req: ParsedRequest, rid: str, created: int
+                   ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per choice whenever its safe-to-show text or tokens advance."""
+        kind = "chat.completion.chunk" if req.chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": created, "model": self.model_name}
+        shown_text: dict[int, int] = {}
+        shown_tokens: dict[int, int] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            if req.chat:  # the role comes first, once per choice (as OpenAI does)
+                for i in range(len(streams) * req.n):
+                    yield _event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                       "logprobs": None, "finish_reason": None}]})
+            async for i, out in _merge(streams):
+                if out.finished:
+                    finals[i] = out
+                    if out.outputs and out.outputs[0].finish_reason in ("error", "abort"):
+                        failed = _failure([out])
+                        yield _event(failed.body())
+                        yield "data: [DONE]\n\n"
+                        return
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    text = c.text[shown_text.get(index, 0):]
+                    start, end = shown_tokens.get(index, 0), len(c.token_ids)
+                    if not text and start == end and c.finish_reason is None:
+                        continue
+                    shown_text[index] = len(c.text)
+                    shown_tokens[index] = end
+                    logprobs = (self._logprobs(c, start, end, req, shown_text[index] - len(text))
+                                if req.logprobs is not None else None)
+                    if req.chat:
+                        delta = {"content": text} if text or c.finish_reason is None else {}
+                        choice = {"index": index, "delta": delta}
+                    else:
+                        choice = {"index": index, "text": text}
+                    choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
+                    yield _event({**head, "choices": [choice]})
+            if req.include_usage:
+                yield _event({**head, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)])})
+            yield "data: [DONE]\n\n"
+        finally:
+            for s in streams:  # no-op for finished ones; a client that left aborts the rest at once
+                if not s.finished:
+                    self.engine.abort(s.request_id)
+
+    # --- logprobs ---------------------------------------------------------------------------------------------
+    def _logprobs(self, c: CompletionOutput, start: int, end: int, req: ParsedRequest, text_offset: int):
+        """OpenAI's logprobs object for tokens ``[start, end)`` of ``c`` (chat: ``{"content": [...]}``;
+        completions: parallel lists with ``text_offset`` counted from ``text_offset``)."""
+        entries = (c.logprobs or [])[start:end]
+        ids = c.token_ids[start:end]
+        top_n = req.logprobs or 0
+        if req.chat:
+            content = []
+            for token, entry in zip(ids, entries):
+                top = list(entry.items())[:top_n]
+                content.append({**self._token(token, entry[token]),
+                                "top_logprobs": [self._token(t, lp) for t, lp in top]})
+            return {"content": content}
+        tokens, values, tops, offsets = [], [], [], []
+        offset = text_offset
+        for token, entry in zip(ids, entries):
+            text = self._decode(token)
+            tokens.append(text)
+            values.append(entry[token])
+            tops.append(self._top_by_text(entry, top_n) if top_n else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top_by_text(self, entry: dict[int, float], top_n: int) -> dict[str, float]:
+        """OpenAI's completions ``top_logprobs`` are keyed by token text; where two tokens decode alike (byte
+        tokens of a partial character), the likelier one keeps the key."""
+        top: dict[str, float] = {}
+        for token, logprob in list(entry.items())[:top_n]:  # descending order
+            top.setdefault(self._decode(token), logprob)
+        return top
+
+    def _token(self, token: int, logprob: float) -> dict:
+        text = self._decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _decode(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else f"<{token}>"
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from every stream as they come; cancelling the consumer cancels the readers (whose
+    streams then abort their requests)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        async for out in stream:
+            await queue.put((i, out))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, out = await queue.get()
+            if out is None:
+                left -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client disconnects (the body is already read, so ``receive`` waits for that)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _failure(finals: list[RequestOutput]) -> RequestError | None:
+    """The error response for a request that failed in the engine or was aborted by shutdown, else None."""
+    for out in finals:
+        reason = out.outputs[0].finish_reason if out.outputs else "error"
+        if reason == "error":
+            return RequestError(f"the request failed in the engine: {out.error}", None, status=500,
+                                type="server_error", code="engine_error")
+        if reason == "abort":
+            return RequestError("the request was aborted (the server is shutting down)", None, status=503,
+                                type="server_unavailable", code="aborted")
+    return None
+
+
+def _usage(finals: list[RequestOutput]) -> dict:
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _engine_param(message: str, chat: bool) -> str | None:
+    """The request field an ``LLMEngine.add_request`` ``ValueError`` is about."""
+    if message.startswith("SamplingParams."):
+        return message[len("SamplingParams."):].split("=", 1)[0]
+    return "messages" if chat else "prompt"
+
+
+def _engine_message(message: str) -> str:
+    return message[len("SamplingParams."):] if message.startswith("SamplingParams.") else message

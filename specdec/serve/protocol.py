@@ -1,0 +1,223 @@
+"""OpenAI request bodies -> what the engine runs; OpenAI's error shape.
+
+Bodies are parsed as plain JSON dicts, not pydantic models, so that every refusal names the exact field:
+a field outside the allow-list is refused (never silently ignored); a field the server knows but does not
+implement is accepted only at its neutral value (``echo: false``, ``logit_bias: {}``...); sampling values are
+checked by ``SamplingParams`` itself and its ``ValueError`` becomes the message, naming the request's field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from specdec.sampling.params import SamplingParams
+
+# fields of both endpoints; top_k, min_p, repetition_penalty and ignore_eos are vLLM's extensions
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+           "presence_penalty", "frequency_penalty", "seed", "user",
+           "top_k", "min_p", "repetition_penalty", "ignore_eos"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+# known but not implemented: accepted only at the value that means "off"
+NEUTRAL = {
+    "echo": (False, None),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None,),
+}
+# SamplingParams fields set from a request field of the same name
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "seed", "stop", "ignore_eos")
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
+class RequestError(Exception):
+    """An HTTP error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request: one engine request per prompt, each with ``n`` samples."""
+
+    prompts: list[str | list[int]]  # text or token ids
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # top logprobs per token; None = no logprobs
+    fill_max_tokens: bool = False  # chat without max_tokens: what the context has left
+    chat: bool = False
+    messages: list[dict] = field(default_factory=list)
+
+
+def supports(name: str) -> bool:
+    """Whether ``SamplingParams`` has field ``name`` (``n`` and ``logprobs`` come with that engine feature)."""
+    return any(f.name == name and f.init for f in dataclasses.fields(SamplingParams))
+
+
+def parse_completion(body: object, model_name: str) -> ParsedRequest:
+    """``/v1/completions``: prompt is a string, a list of token ids, or a list of either (one choice each)."""
+    body = _check_body(body, COMPLETION_FIELDS, model_name)
+    if "prompt" not in body:
+        raise RequestError("'prompt' is required", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise RequestError("'prompt' must be a string, a list of token ids, or a non-empty list of those",
+                           "prompt")
+    for p in prompts:
+        if len(p) == 0:
+            raise RequestError("'prompt' is empty; give at least one token", "prompt")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not _is_int(logprobs, 0, MAX_TOP_LOGPROBS):
+        raise RequestError(f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {logprobs!r}",
+                           "logprobs")
+    req = _common(body, logprobs, max_tokens_field="max_tokens")
+    req.prompts = prompts
+    return req
+
+
+def parse_chat(body: object, model_name: str) -> ParsedRequest:
+    """``/v1/chat/completions``: ``messages`` are rendered later with the model's chat template."""
+    body = _check_body(body, CHAT_FIELDS, model_name)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]")
+        extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
+        if extra:
+            raise RequestError(f"messages[{i}].{extra[0]} is not supported (messages take 'role' and 'content')",
+                               f"messages[{i}].{extra[0]}")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise RequestError(f"messages[{i}].role must be a non-empty string", f"messages[{i}].role")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
+                                   "are supported", f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
+                               f"messages[{i}].content")
+        clean.append({"role": role, "content": content})
+    want = body.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise RequestError(f"'logprobs' must be true or false, got {want!r}", "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not _is_int(top, 0, MAX_TOP_LOGPROBS):
+            raise RequestError(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top!r}",
+                               "top_logprobs")
+        if not want:
+            raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise RequestError("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
+    max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    req = _common(body, (top or 0) if want else None, max_tokens_field=max_field)
+    req.chat, req.messages = True, clean
+    return req
+
+
+def _check_body(body: object, allowed: set[str], model_name: str) -> dict:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in NEUTRAL:
+            if value not in NEUTRAL[key]:
+                raise RequestError(f"'{key}' is not supported by this server (only {NEUTRAL[key][0]!r})", key)
+            continue
+        raise RequestError(f"'{key}' is not a supported field; supported: {', '.join(sorted(allowed))}", key)
+    model = body.get("model")
+    if model != model_name:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
+                           status=404, code="model_not_found")
+    return body
+
+
+def _common(body: dict, logprobs: int | None, max_tokens_field: str) -> ParsedRequest:
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(f"'stream' must be true or false, got {stream!r}", "stream")
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise RequestError("'stream_options' is only allowed with 'stream': true", "stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise RequestError("'stream_options' takes only {'include_usage': bool}", "stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise RequestError("'stream_options.include_usage' must be true or false",
+                               "stream_options.include_usage")
+    n = body.get("n", 1)
+    n = 1 if n is None else n
+    if not _is_int(n, 1, 128):
+        raise RequestError(f"'n' must be an integer in [1, 128], got {n!r}", "n")
+    if n > 1 and not supports("n"):
+        raise RequestError("'n' > 1 is not supported by this engine yet", "n")
+    if logprobs is not None and not supports("logprobs"):
+        param = "logprobs" if "top_logprobs" not in body else "top_logprobs"
+        raise RequestError("'logprobs' is not supported by this engine yet", param)
+    fields = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+    max_tokens = body.get(max_tokens_field)
+    if max_tokens is not None:
+        fields["max_tokens"] = max_tokens
+    if n > 1:
+        fields["n"] = n
+    if logprobs is not None:
+        fields["logprobs"] = logprobs
+    names = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs" if "top_logprobs" in body else "logprobs"}
+    try:
+        params = SamplingParams(**fields)
+    except ValueError as e:
+        raise RequestError(_rename(str(e), names), _param_of(str(e), names)) from None
+    except TypeError as e:  # a field SamplingParams does not take
+        raise RequestError(str(e)) from None
+    fill = max_tokens is None and "messages" in body  # chat's default: up to the context length
+    return ParsedRequest([], params, n, stream, include_usage, logprobs, fill_max_tokens=fill)
+
+
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def _param_of(message: str, names: dict[str, str]) -> str | None:
+    m = _FIELD.search(message)
+    return names.get(m.group(1), m.group(1)) if m else None
+
+
+def _rename(message: str, names: dict[str, str]) -> str:
+    """``SamplingParams.top_p=2 is invalid`` -> ``top_p=2 is invalid`` with the request's own field name."""
+    return _FIELD.sub(lambda m: names.get(m.group(1), m.group(1)), message)
+
+
+def _is_int(x: object, low: int, high: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x <= high
+
+
+def _is_token_list(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
