@@ -15,10 +15,12 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec.kernels import kv_compact as _kv_compact
+from specdec.kernels import block_verify as _block_verify
 from specdec.kernels import paged_attention as _attention
 from specdec.kernels import softmax as _softmax
 from specdec.kernels import spec_sample as _spec_sample
 from specdec.kernels import top_k_top_p as _top_k_top_p
+from specdec.kernels import tree_sample as _tree_sample
 
 # None: by device (the kernel on CUDA, the reference elsewhere); "triton" / "reference": forced by the innermost
 # active force_triton() / force_reference() context.
@@ -119,6 +121,50 @@ def spec_sample(
     """Speculative verification ``(output_token_ids int64 [B, max_k + 1], num_accepted int32 [B])``; see the
     layout in ``specdec.kernels.spec_sample``."""
     fn = _launcher(_spec_sample, "spec_sample") if use_triton(target_probs) else _spec_sample.spec_sample_reference
+    return fn(
+        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy, draft_is_onehot,
+        seeds, positions, max_num_draft_tokens,
+    )  # fmt: skip
+
+
+def tree_sample(
+    node_token_ids: torch.Tensor,
+    node_parents: torch.Tensor,
+    cu_num_nodes: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    draft_is_onehot: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-tree verification ``(output_token_ids int64 [B, max_depth + 1], num_accepted int32 [B],
+    accepted_nodes int32 [B, max_depth])``; see the layout in ``specdec.kernels.tree_sample``."""
+    fn = _launcher(_tree_sample, "tree_sample") if use_triton(target_probs) else _tree_sample.tree_sample_reference
+    return fn(
+        node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs, target_argmax, is_greedy,
+        draft_is_onehot, seeds, positions, max_depth,
+    )  # fmt: skip
+
+
+def block_verify(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    target_argmax: torch.Tensor,
+    is_greedy: torch.Tensor,
+    draft_is_onehot: torch.Tensor,
+    seeds: torch.Tensor,
+    positions: torch.Tensor,
+    max_num_draft_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block verification (greedy and one-hot rows token-wise), same arguments and outputs as :func:`spec_sample`;
+    see ``specdec.kernels.block_verify``."""
+    use_kernel = use_triton(target_probs)
+    fn = _launcher(_block_verify, "block_verify") if use_kernel else _block_verify.block_verify_reference
     return fn(
         draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy, draft_is_onehot,
         seeds, positions, max_num_draft_tokens,
