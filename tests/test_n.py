@@ -1,0 +1,160 @@
+"""n > 1: one request, n samples - shape, seeds (sample 0 = the n == 1 run), greedy samples, blocks, abort."""
+
+import pytest
+import torch
+
+import specdec
+from specdec import SamplingParams, SpeculativeConfig
+from specdec.sampling.params import MAX_SEED, child_seed
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair):
+    return tiny_pair
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_pair_plain):
+    return tiny_pair_plain
+
+
+@pytest.fixture(scope="module")
+def spec(pair):
+    return specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256,
+                       speculative=SpeculativeConfig(draft_model=pair[1], num_speculative_tokens=3))
+
+
+def prompts(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (int(torch.randint(4, 20, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def assert_all_blocks_free(llm):
+    pools = [llm.engine.block_manager] + ([llm.engine.speculative.block_manager]
+                                          if llm.engine.speculative and llm.engine.speculative.block_manager else [])
+    for bm in pools:
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def sampled(n, seed=5, **kw):
+    return SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=seed, n=n, **kw)
+
+
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_n_samples_in_one_output_and_sample_0_is_the_n1_run(plain, spec, which):
+    llm = plain if which == "plain" else spec
+    ps = prompts(2, seed=1)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=sampled(4, logprobs=1))
+    assert len(outs) == 2
+    for prompt, out in zip(ps, outs):
+        assert out.finished and out.prompt_token_ids == prompt and len(out.outputs) == 4
+        assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+        assert all(len(c.token_ids) == 10 and c.finish_reason == "length" for c in out.outputs)
+        assert all(len(c.logprobs) == 10 for c in out.outputs)
+        single = llm.generate(prompt_token_ids=prompt, sampling_params=sampled(1, logprobs=1))[0].outputs[0]
+        assert out.outputs[0].token_ids == single.token_ids
+        for a, b in zip(out.outputs[0].logprobs, single.logprobs):  # batch-shape float differences only
+            assert list(a) == list(b) and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+        # the other samples take other seeds: at temperature 1 they do not all repeat sample 0
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+        # sample i reproduces the n == 1 request seeded child_seed(seed, i)
+        third = llm.generate(prompt_token_ids=prompt, sampling_params=sampled(1, seed=child_seed(5, 2)))[0]
+        assert third.outputs[0].token_ids == out.outputs[2].token_ids
+        assert out.metrics["num_generated_tokens"] == 40 and out.metrics["num_prompt_tokens"] == len(prompt)
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_samples_are_identical(plain):
+    out = plain.generate(prompt_token_ids=prompts(1, seed=2)[0],
+                         sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3))[0]
+    assert len(out.outputs) == 3
+    assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
+    assert out.outputs[0].text == out.outputs[2].text
+
+
+def test_unseeded_samples_differ(plain):
+    out = plain.generate(prompt_token_ids=prompts(1, seed=3)[0],
+                         sampling_params=SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, n=3))[0]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert_all_blocks_free(plain)
+
+
+def test_step_outputs_report_every_sample_by_index(spec):
+    """engine.step(): one cumulative RequestOutput per request with n > 1, every sample in it, until all are done
+    (samples finish at different times: a stop token id ends some early)."""
+    engine = spec.engine
+    prompt = prompts(1, seed=4)[0]
+    rid = engine.add_request(prompt_token_ids=prompt, params=sampled(3, seed=9))
+    other = engine.add_request(prompt_token_ids=prompts(1, seed=5)[0], params=sampled(1))
+    finals = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        assert len([o for o in outs if o.request_id == rid]) <= 1
+        for out in outs:
+            assert out.request_id in (rid, other)
+            if out.request_id == rid:
+                assert [c.index for c in out.outputs] == [0, 1, 2]
+            if out.finished:
+                finals[out.request_id] = out
+    assert set(finals) == {rid, other} and len(finals[other].outputs) == 1
+    assert all(len(c.token_ids) == 10 for c in finals[rid].outputs)
+    assert engine.step() == []  # a finished request is reported once
+    assert_all_blocks_free(spec)
+
+
+@pytest.mark.parametrize("which", ["plain", "spec"])
+def test_abort_of_the_request_aborts_and_frees_every_sample(plain, spec, which):
+    llm = plain if which == "plain" else spec
+    engine = llm.engine
+    rid = engine.add_request(prompt_token_ids=prompts(1, seed=6)[0],
+                             params=SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, n=4, seed=1))
+    for _ in range(3):
+        engine.step()
+    out = engine.abort(rid)
+    assert out.request_id == rid and out.finished and len(out.outputs) == 4
+    assert all(c.finish_reason == "abort" and 0 < len(c.token_ids) < 50 for c in out.outputs)
+    assert_all_blocks_free(llm)
+    assert engine.abort(rid) is None
+    reported = engine.step()
+    assert [o.request_id for o in reported] == [rid] and len(reported[0].outputs) == 4
+    assert engine.step() == []
+    # the id is free again once its abort was reported
+    rid2 = engine.add_request(prompt_token_ids=[1, 2, 3], params=sampled(2), request_id=rid)
+    assert rid2 == rid
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(llm)
+
+
+def test_request_id_of_a_running_group_is_in_use(plain):
+    engine = plain.engine
+    engine.add_request(prompt_token_ids=[1, 2, 3], params=sampled(2), request_id="g")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(prompt_token_ids=[1, 2, 3], params=sampled(1), request_id="g")
+    engine.abort("g")
+    engine.step()
+    assert_all_blocks_free(plain)
+
+
+def test_stream_refuses_n_above_1(plain):
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=2"):
+        next(plain.stream(prompt_token_ids=[1, 2, 3], sampling_params=sampled(2)))
+    assert not plain.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("value", [0, -1, 129, 1.0, True, None])
+def test_bad_n_is_refused(value):
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=.*\[1, 128\]"):
+        SamplingParams(n=value)
+
+
+def test_child_seed():
+    assert child_seed(123, 0) == 123
+    seeds = [child_seed(s, i) for s in (0, 1, 123, MAX_SEED) for i in range(1, 50)]
+    assert all(0 <= s <= MAX_SEED for s in seeds)
+    assert len(set(seeds)) == len(seeds)  # distinct per (seed, index) here
+    assert child_seed(7, 3) == child_seed(7, 3) != child_seed(8, 3)
+    SamplingParams(seed=child_seed(MAX_SEED, 5))  # always a valid seed
