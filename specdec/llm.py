@@ -28,6 +28,8 @@ class LLM:
         num_kv_blocks / kv_cache_memory_gb: pool size in blocks, or in GiB when blocks are not given.
         seed: seeds the per-request seeds of requests that give none.
         speculative: a SpeculativeConfig to decode speculatively (lossless), or None for plain decoding.
+        enable_prefix_caching: share the cached KV blocks of a common prompt prefix between requests, so that a
+            request computes only what follows the cached prefix (docs/architecture.md, "Prefix caching").
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class LLM:
         seed: int = 0,
         speculative: SpeculativeConfig | None = None,
         prepack_weights: bool | None = None,
+        enable_prefix_caching: bool = True,
     ):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -54,7 +57,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, num_kv_blocks=num_kv_blocks,
             kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
             lookahead_slots=speculative.tree_nodes(speculative.num_speculative_tokens) if speculative else 0,
-            prepack_weights=prepack_weights,
+            prepack_weights=prepack_weights, enable_prefix_caching=enable_prefix_caching,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call

@@ -1,9 +1,12 @@
-"""A randomised, seeded property test of the engine: add, abort, step, injected faults, pool pressure.
+"""A randomised, seeded property test of the engine: add, abort, step, injected faults, pool pressure, and
+prompts that share prefixes (prefix caching, with eviction under the same pool pressure).
 
-Thousands of operations; after every one, the engine's books must balance: each pool's blocks are free or
-owned by exactly one running request, every running request's computed KV length lies within its tokens and
+Thousands of operations; after every one, the engine's books must balance: each pool's blocks are held by the
+running requests whose tables name them (refcounts match; a block a request may still write is its alone), free,
+or cached and evictable - exactly one; every running request's computed KV length lies within its tokens and
 its reserved slots (and the draft's view of its cache never runs ahead of the target's), every request ends
 exactly once, only poisoned requests end in "error", and the run terminates with every block back in the pool.
+Greedy requests that completed give the tokens of the same request decoded alone without the cache.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ def _check(engine) -> None:
     waiting = {s.seq_id: s for s in engine.scheduler.waiting}
     assert not running.keys() & waiting.keys()
     for bm in _pools(engine):
-        bm.check_invariants()  # every block free or owned by exactly one sequence
+        bm.check_invariants()  # every block referenced (refcount = tables naming it), free or evictable
         assert set(bm._tables) == set(running), "blocks owned by a request that is not running (or missing)"
     for seq in running.values():
         assert 0 <= seq.num_computed < seq.num_tokens, "a running request with nothing left to compute is stuck"
@@ -92,6 +95,7 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypat
 
     ended: dict[str, str] = {}  # request id -> finish reason (each request must end exactly once)
     preemptions = [0]
+    finished_greedy: dict[str, list[int]] = {}  # completed greedy requests -> their tokens
 
     def record(outputs) -> None:
         for out in outputs:
@@ -105,16 +109,25 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypat
                     assert out.request_id in poisoned, f"an innocent request failed: {error}"
                 ended[out.request_id] = reason
                 preemptions[0] += out.metrics["num_preemptions"]
+                if reason in ("length", "stop") and requests[out.request_id][1].temperature == 0:
+                    finished_greedy[out.request_id] = out.outputs[0].token_ids
 
     added: list[str] = []
+    requests: dict[str, tuple[list[int], SamplingParams]] = {}
+    # shared prefixes (system prompts): a third of the prompts start with one of them, or with a prefix of one
+    prefixes = [[rng.randrange(1, 260) for _ in range(n)] for n in (5, 9, 14)]
     for _ in range(NUM_OPERATIONS):
         op = rng.random()
         if op < 0.22:
             prompt = [rng.randrange(1, 260) for _ in range(rng.randint(1, 18))]
+            if rng.random() < 0.35:
+                prefix = rng.choice(prefixes)
+                prompt = prefix[: rng.randint(len(prefix) // 2, len(prefix))] + prompt[: rng.randint(1, 6)]
             params = SamplingParams(temperature=rng.choice([0, 0.8]), max_tokens=rng.randint(1, 24),
                                     seed=rng.randrange(2**63), ignore_eos=rng.random() < 0.7)
             rid = engine.add_request(prompt_token_ids=prompt, params=params)
             added.append(rid)
+            requests[rid] = (prompt, params)
             if rng.random() < 0.15:
                 stages = ["forward", "draft"] if engine.speculative is not None else ["forward"]
                 poisoned[rid] = (rng.choice(stages), rng.randint(0, 6))
@@ -138,6 +151,16 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypat
     for bm in _pools(engine):
         assert bm.num_free_blocks == bm.num_blocks
     reasons = list(ended.values())
-    # the run exercised what it is meant to: failures, aborts, preemptions
+    # the run exercised what it is meant to: failures, aborts, preemptions, prefix-cache hits and evictions
     assert reasons.count("error") >= 3 and reasons.count("abort") >= 3
     assert len(added) >= 300 and preemptions[0] >= 3
+    stats = engine.stats
+    assert stats["prefix_cache_hits"] >= 100 and stats["prefix_cache_evicted_blocks"] >= 10, stats
+    # completed greedy requests (a sample) have the tokens of an uncached, unbatched, unfaulted run
+    reference = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=48, enable_prefix_caching=False)
+    checked = sorted(finished_greedy, key=int)[:: max(1, len(finished_greedy) // 25)]
+    assert len(checked) >= 10
+    for rid in checked:
+        prompt, params = requests[rid]
+        want = reference.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+        assert finished_greedy[rid] == want, f"request {rid} differs from its uncached greedy run"

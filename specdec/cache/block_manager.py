@@ -1,29 +1,65 @@
-"""Plain-Python block manager: a free list of KV-cache blocks and one block table per sequence.
+"""Plain-Python block manager: reference-counted KV-cache blocks, one block table per sequence, and (optionally)
+prefix caching with LRU eviction.
 
-Every block is owned by exactly one sequence or free. A sequence's *length* is the number of tokens whose
-K/V slots are reserved for it; ``truncate_to`` (the mirror of ``append_slots``) gives back every block
-wholly beyond the new length - that is the speculative rollback.
+A sequence's *length* is the number of tokens whose K/V slots are reserved for it; ``truncate_to`` (the mirror of
+``append_slots``) gives back every block wholly beyond the new length - that is the speculative rollback.
+
+Every block is in exactly one of three states (``check_invariants``):
+
+- **referenced**: in the tables of ``refcount >= 1`` sequences. More than one only for a registered prefix block;
+- **free**: unreferenced and holding nothing anyone can find (``_free``, FIFO);
+- **evictable** (prefix caching only): unreferenced but registered in the prefix cache, so a later request with
+  the same prefix can take it back instead of recomputing it (``_evictable``, least recently released first).
+
+New blocks come from the free list first, then by evicting the least recently released evictable block. A
+sequence's blocks are released tail first, so a request's last blocks (the least likely to be shared, and useless
+without the ones before them) are evicted before its first ones.
+
+Writes (``slot``) are only allowed into a block that this sequence alone holds and that is not registered: a
+shared or cached block is never overwritten, whatever a rollback, a preemption or a failed step does.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+
+from specdec.cache.prefix_cache import PrefixCache
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, unregistered
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, registered; LRU first
+        self._refs = [0] * num_blocks  # block -> number of tables holding it
         self._tables: dict[int, list[int]] = {}  # seq id -> physical block ids in logical order
         self._lens: dict[int, int] = {}  # seq id -> reserved token slots
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
+        self.num_queried_tokens = 0  # tokens of the sequences allocated with their token ids (prefix caching)
+        self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
+        self.num_evicted_blocks = 0  # cached blocks whose memory was taken for other tokens
 
     # --- queries -------------------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Unreferenced blocks that still hold a registered prefix (counted in ``num_free_blocks``)."""
+        return len(self._evictable)
+
+    @property
+    def stats(self) -> dict:
+        """``prefix_cache_queries`` / ``prefix_cache_hits``: tokens of admitted requests looked up / served from
+        the cache; ``prefix_cache_evicted_blocks``: cached blocks evicted (docs/metrics.md)."""
+        return {"prefix_cache_queries": self.num_queried_tokens, "prefix_cache_hits": self.num_cached_tokens,
+                "prefix_cache_evicted_blocks": self.num_evicted_blocks}
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -37,58 +73,168 @@ class BlockManager:
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables[seq_id]
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= len(self._free)
+    def refcount(self, block: int) -> int:
+        return self._refs[block]
+
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None) -> bool:
+        """Whether ``allocate(seq, num_tokens, token_ids)`` would succeed now."""
+        _, hit = self._cached_prefix(num_tokens, token_ids)
+        revived = sum(1 for b in hit if self._refs[b] == 0)  # evictable blocks taken back are not free any more
+        return self.blocks_needed(num_tokens) - len(hit) <= self.num_free_blocks - revived
 
     def can_append(self, seq_id: int, num_new: int) -> bool:
-        return self._extra_blocks(seq_id, num_new) <= len(self._free)
+        return self._extra_blocks(seq_id, num_new) <= self.num_free_blocks
+
+    def cached_prefix_len(self, num_tokens: int, token_ids: Sequence[int] | None) -> int:
+        """Tokens ``allocate`` would serve from the cache (a query: changes nothing, counts nothing)."""
+        return len(self._cached_prefix(num_tokens, token_ids)[1]) * self.block_size
 
     def slot(self, seq_id: int, pos: int) -> int:
-        """Flat cache slot of the token at logical position ``pos`` of ``seq_id``."""
-        return self._tables[seq_id][pos // self.block_size] * self.block_size + pos % self.block_size
+        """Flat cache slot where the K/V of the token at logical position ``pos`` of ``seq_id`` is *written*.
+
+        Raises ``RuntimeError`` if that block is shared or registered in the prefix cache: such a block is
+        read-only (docs/architecture.md, "Prefix caching")."""
+        block = self._tables[seq_id][pos // self.block_size]
+        if self._refs[block] != 1 or (self.prefix_cache is not None and self.prefix_cache.is_registered(block)):
+            raise RuntimeError(f"refusing to write position {pos} of sequence {seq_id} into block {block}: it is "
+                               f"shared ({self._refs[block]} holders) or a registered prefix block")
+        return block * self.block_size + pos % self.block_size
 
     # --- mutations -----------------------------------------------------------------------------------------
-    def allocate(self, seq_id: int, num_tokens: int) -> None:
-        """Reserve slots for the first ``num_tokens`` tokens of a new sequence."""
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+        """Reserve slots for the first ``num_tokens`` tokens of a new sequence; returns how many of them are
+        served from the prefix cache (a multiple of ``block_size``; 0 without prefix caching or ``token_ids``).
+
+        ``token_ids``: the sequence's tokens, to look its prefix up in the cache. The longest run of cached full
+        blocks within ``token_ids[:-1]`` is shared (the last token is always recomputed, so that a forward has
+        logits to sample from); the rest are new blocks.
+        """
         assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
-        if not self.can_allocate(num_tokens):
-            raise MemoryError(f"{self.blocks_needed(num_tokens)} blocks needed, {len(self._free)} free")
-        self._tables[seq_id] = [self._free.popleft() for _ in range(self.blocks_needed(num_tokens))]
+        if not self.can_allocate(num_tokens, token_ids):
+            raise MemoryError(f"{self.blocks_needed(num_tokens)} blocks needed, {self.num_free_blocks} free")
+        keys, hit = self._cached_prefix(num_tokens, token_ids)
+        for block in hit:
+            self._ref(block)
+        self._tables[seq_id] = hit + [self._take() for _ in range(self.blocks_needed(num_tokens) - len(hit))]
         self._lens[seq_id] = num_tokens
+        if self.prefix_cache is not None:
+            self.prefix_cache.start(seq_id, keys)
+            if token_ids is not None:
+                self.num_queried_tokens += len(token_ids)
+                self.num_cached_tokens += len(hit) * self.block_size
+        return len(hit) * self.block_size
 
     def append_slots(self, seq_id: int, num_new: int) -> None:
         """Reserve ``num_new`` more slots at the end of ``seq_id``."""
         extra = self._extra_blocks(seq_id, num_new)
-        if extra > len(self._free):
-            raise MemoryError(f"{extra} blocks needed, {len(self._free)} free")
-        self._tables[seq_id].extend(self._free.popleft() for _ in range(extra))
+        if extra > self.num_free_blocks:
+            raise MemoryError(f"{extra} blocks needed, {self.num_free_blocks} free")
+        self._tables[seq_id].extend(self._take() for _ in range(extra))
         self._lens[seq_id] += num_new
 
     def truncate_to(self, seq_id: int, new_len: int) -> int:
-        """Shrink ``seq_id`` to ``new_len`` slots, freeing every block wholly beyond ``new_len``; returns how many."""
+        """Shrink ``seq_id`` to ``new_len`` slots, giving back every block wholly beyond ``new_len``; returns how
+        many. Refuses (``ValueError``) to cut into the sequence's chained prefix blocks: those hold committed
+        tokens another request may share, and a rollback never goes below the committed length."""
         assert 0 <= new_len <= self._lens[seq_id], f"truncate_to({new_len}) beyond length {self._lens[seq_id]}"
+        chained = self.prefix_cache.num_chained(seq_id) if self.prefix_cache is not None else 0
+        if new_len < chained * self.block_size:
+            raise ValueError(f"truncate_to({new_len}) would cut into the {chained} committed prefix blocks of "
+                             f"sequence {seq_id} ({chained * self.block_size} tokens)")
         table = self._tables[seq_id]
         keep = self.blocks_needed(new_len)
-        freed = len(table) - keep
-        self._free.extend(table[keep:])
+        freed = table[keep:]
         del table[keep:]
+        for block in reversed(freed):
+            self._release(block)
         self._lens[seq_id] = new_len
-        return freed
+        return len(freed)
+
+    def register_committed(self, seq_id: int, token_ids: Sequence[int]) -> int:
+        """Register in the prefix cache every full block of ``seq_id`` that ``token_ids`` - its tokens whose
+        K/V are committed (never speculative ones) - now fill; returns how many were newly registered."""
+        if self.prefix_cache is None or seq_id not in self._tables:
+            return 0
+        return self.prefix_cache.register(seq_id, self._tables[seq_id], token_ids)
+
+    def num_chained_blocks(self, seq_id: int) -> int:
+        """Leading blocks of ``seq_id`` already offered to the prefix cache (0 without prefix caching)."""
+        return self.prefix_cache.num_chained(seq_id) if self.prefix_cache is not None else 0
 
     def free(self, seq_id: int) -> None:
-        """Give back all blocks of ``seq_id`` (a no-op for unknown ids)."""
+        """Drop ``seq_id``'s references to its blocks (a no-op for unknown ids). A block nobody else holds
+        becomes free, or evictable if it is registered in the prefix cache."""
         table = self._tables.pop(seq_id, None)
         if table is not None:
-            self._free.extend(table)
             del self._lens[seq_id]
+            if self.prefix_cache is not None:
+                self.prefix_cache.drop(seq_id)
+            for block in reversed(table):  # tail first: a prefix's last blocks are evicted before its first
+                self._release(block)
+
+    # --- internals -----------------------------------------------------------------------------------------
+    def _cached_prefix(self, num_tokens: int, token_ids: Sequence[int] | None) -> tuple[list[bytes], list[int]]:
+        """(keys, blocks) of the cached full blocks a new sequence of ``num_tokens`` slots would share."""
+        if self.prefix_cache is None or token_ids is None or len(token_ids) < 2:
+            return [], []
+        cacheable = min(len(token_ids) - 1, num_tokens)  # the last token is always recomputed
+        return self.prefix_cache.match(token_ids[:cacheable])
+
+    def _take(self) -> int:
+        """A block for new tokens: a free one, else the least recently released evictable one (evicted)."""
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self.prefix_cache.evict(block)
+            self.num_evicted_blocks += 1
+        self._refs[block] = 1
+        return block
+
+    def _ref(self, block: int) -> None:
+        if self._refs[block] == 0:
+            del self._evictable[block]  # a cached block taken back: no longer evictable
+        self._refs[block] += 1
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        assert self._refs[block] >= 0, f"block {block} released more often than referenced"
+        if self._refs[block] == 0:
+            if self.prefix_cache is not None and self.prefix_cache.is_registered(block):
+                self._evictable[block] = None  # most recently released: evicted last
+            else:
+                self._free.append(block)
 
     def _extra_blocks(self, seq_id: int, num_new: int) -> int:
         return self.blocks_needed(self._lens[seq_id] + num_new) - len(self._tables[seq_id])
 
     def check_invariants(self) -> None:
-        """Assert: every block is free or owned by exactly one sequence; tables match lengths."""
-        owned = [b for table in self._tables.values() for b in table]
-        all_blocks = owned + list(self._free)
-        assert len(all_blocks) == len(set(all_blocks)) == self.num_blocks, "a block is leaked or double-owned"
+        """Assert: every block is referenced (by as many tables as its refcount), free, or evictable - exactly
+        one; free blocks are unregistered, evictable ones registered; tables match lengths; a block a sequence
+        may still write (beyond its chained prefix) is held by that sequence alone and unregistered."""
+        held = Counter(b for table in self._tables.values() for b in table)
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not free & evictable, "a block is both free and evictable"
+        cache = self.prefix_cache
+        for block in range(self.num_blocks):
+            assert self._refs[block] == held[block], f"block {block}: refcount {self._refs[block]} != {held[block]}"
+            assert (held[block] > 0) + (block in free) + (block in evictable) == 1, f"block {block} leaked or lost"
+            registered = cache is not None and cache.is_registered(block)
+            assert block not in free or not registered, f"free block {block} is still registered"
+            assert block not in evictable or registered, f"evictable block {block} is not registered"
         for seq_id, table in self._tables.items():
+            assert len(table) == len(set(table)), f"sequence {seq_id} holds a block twice"
             assert len(table) == self.blocks_needed(self._lens[seq_id]), f"sequence {seq_id} table/length mismatch"
+            chain = cache.chain(seq_id) if cache is not None else []
+            assert len(chain) * self.block_size <= self._lens[seq_id], f"sequence {seq_id} chained beyond its length"
+            for i, block in enumerate(table):
+                if i >= len(chain):
+                    assert self._refs[block] == 1 and not (cache is not None and cache.is_registered(block)), \
+                        f"writable block {block} of sequence {seq_id} is shared or registered"
+                elif cache.is_registered(block):
+                    assert cache.key_of(block) == chain[i], f"block {block} of sequence {seq_id} has another key"
+                else:
+                    assert self._refs[block] == 1, f"unregistered prefix block {block} of sequence {seq_id} is shared"
+        if cache is not None:
+            cache.check_invariants()

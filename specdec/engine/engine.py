@@ -32,7 +32,7 @@ class LLMEngine:
         self.device = config.device
         self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
                                 self.model_config, config.prepack_weights)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype, config.device)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
         self.speculative = SpeculativeDecoder(config, speculative, self.tokenizer) if speculative else None
@@ -149,8 +149,9 @@ class LLMEngine:
 
     @property
     def stats(self) -> dict:
-        """Engine-wide counters (speculative rollbacks, requests failed)."""
-        return {**(self.speculative.stats if self.speculative else {}), "failed_requests": self._num_failed}
+        """Engine-wide counters (speculative rollbacks, requests failed, prefix-cache queries and hits)."""
+        return {**(self.speculative.stats if self.speculative else {}), "failed_requests": self._num_failed,
+                **self.block_manager.stats}
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
