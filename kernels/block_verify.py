@@ -20,8 +20,13 @@ Algorithm (the paper's Algorithm 2) for a sampled request with k drafts x_1..x_k
     tau = the largest i in 1..k that stops, else 0
     emit x_1..x_tau, then one token from norm(max(w_tau * P_tau - Q_tau, 0))  (tau = k: from P_k, the bonus)
 
-``eta_i = philox(seed, position of draft i, STREAM_BLOCK_ACCEPT, 0)`` (draft i sits at ``positions[b] + i - 1``);
-the last token is ``argmax(max(w P - Q, 0) / E)`` with E on STREAM_RESIDUAL at position ``positions[b] + tau``,
+``eta_i = philox(seed, positions[b], STREAM_BLOCK_ACCEPT, i - 1)``: keyed by the round's first draft position, NOT
+by draft i's own position (``positions[b] + i - 1``), unlike spec_sample's accept uniforms. Block verification
+looks at every draft of the block, also those beyond tau, and the next round starts at ``positions[b] + tau + 1``:
+position-keyed uniforms would be reused there after having conditioned this round's decision (a bias that
+tests/kernels/test_block_verify_statistics.py detects). The round's start position grows every round (each
+emits at least one token), so these are fresh. The same holds for the drafts themselves: see "Drafts" below.
+The last token is ``argmax(max(w P - Q, 0) / E)`` with E on STREAM_RESIDUAL at position ``positions[b] + tau``,
 exactly as ``spec_sample`` draws its recovered / bonus token (``_argmax_over_noise`` with a scale ``w`` on p), so
 no normalisation and no host sync. An all-zero residual (only possible at tau = 0 with P_0 <= Q_0 up to rounding;
 the stop rule needs r_tau > 0 elsewhere) samples from P_tau. The decision ``eta * (r + 1 - w) < r`` never divides
@@ -33,7 +38,17 @@ Rows that fall back to the token-wise rule of ``spec_sample``, bit for bit (same
   * one-hot rows (``draft_is_onehot``: n-gram / prompt lookup, whose q is a point mass). There block verification
     has nothing to gain: with Q_i = onehot(x_{i+1}), r_i = w_i (1 - P_i(x_{i+1})) and w_i = prod_{j<=i} P(x_j),
     which gives exactly token-wise's distribution of tau and the same residual (P_i with x_{i+1} zeroed) -
-    checked by enumeration in tests/kernels/test_block_verify_statistics.py. vLLM falls back the same way.
+    checked by enumeration in tests/kernels/test_block_verify_statistics.py. (vLLM's block-verification PR,
+    vllm-project/vllm#40819, falls back the same way for drafters without probabilities.)
+
+Drafts: the proof assumes x_i ~ Q_i given the text, independent of how earlier rounds were decided. Token-wise
+verification never looks past the first rejection, so the next round, which starts right after it, only draws at
+positions nobody has looked at. Block verification looks at the whole block, so a drafter whose noise is keyed by
+absolute position (``DraftModelDrafter``: STREAM_DRAFT at (seed, position)) re-draws positions
+``positions[b] + tau + 1 .. positions[b] + k - 1`` in the next round with noise this round's decision depended on
+(with the same context - the recovered token equal to the draft it replaced - it is the very same token). Exact
+losslessness across rounds therefore needs draft noise fresh per round, e.g. keyed by (round start, offset), as
+the statistical test draws it; see docs/kernels.md for where the engine stands.
 
 NOTE (exactness): kernel and reference share every elementwise fp32 operation and every Philox uniform; the
 residual masses r_i are sums over the vocabulary whose order differs (per-lane partial sums + a tree reduction
@@ -47,10 +62,22 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels._triton import tl, triton
-from specdec.kernels.philox import STREAM_ACCEPT, STREAM_BLOCK_ACCEPT, STREAM_RESIDUAL, philox_uniform, \
-    philox_uniform_tl, row_exponentials
-from specdec.kernels.spec_sample import SpecSampleConfig, _argmax_over_noise, _check_inputs, _check_values, \
-    spec_sample_config, spec_sample_reference
+from specdec.kernels.philox import (
+    STREAM_ACCEPT,
+    STREAM_BLOCK_ACCEPT,
+    STREAM_RESIDUAL,
+    philox_uniform,
+    philox_uniform_tl,
+    row_exponentials,
+)
+from specdec.kernels.spec_sample import (
+    SpecSampleConfig,
+    _argmax_over_noise,
+    _check_inputs,
+    _check_values,
+    spec_sample_config,
+    spec_sample_reference,
+)
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
 _STREAM_BLOCK_ACCEPT: tl.constexpr = tl.constexpr(STREAM_BLOCK_ACCEPT)
@@ -143,7 +170,7 @@ def _block_verify_kernel(
                                    draft_probs_ptr + (first_draft + i) * vocab_size, w, vocab_size, BLOCK_V)
             else:
                 r = w  # the bonus row: Q_k = 0, sum_v w P_k(v) = w
-            eta = philox_uniform_tl(seed, position + i - 1, _STREAM_BLOCK_ACCEPT, i * 0)  # in (0, 1)
+            eta = philox_uniform_tl(seed, position, _STREAM_BLOCK_ACCEPT, i - 1)  # in (0, 1), keyed by the round
             stop = eta * (r + (1.0 - w)) < r
             n = tl.where(stop, i, n)
             w_tau = tl.where(stop, w, w_tau)
@@ -231,13 +258,19 @@ def block_weights(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     ``p_x, q_x [..., K]``: P_{i-1}(x_i) and Q_{i-1}(x_i) of each draft, any float dtype (the tests enumerate in
     float64). A named step so tests can plant the per-token mutant in it.
     """
-    w = torch.ones_like(p_x[..., 0])
+    w = p_x.new_ones(p_x.shape[:-1])  # (...,) w_0
     weights = []
     for i in range(p_x.shape[-1]):
         t = w * p_x[..., i]
         w = torch.where(t <= 0, 0.0, torch.where(t >= q_x[..., i], 1.0, t / q_x[..., i]))
         weights.append(w)
     return torch.stack(weights, dim=-1) if weights else torch.empty_like(p_x)
+
+
+def block_uniforms(seeds: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """eta ``fp32 [S, k]`` of rounds starting at ``positions [S]``: keyed by the round, index = draft offset."""
+    j = torch.arange(k, device=seeds.device)  # (k,)
+    return philox_uniform(seeds[:, None], positions[:, None], STREAM_BLOCK_ACCEPT, j)
 
 
 def residual_mass(w: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -309,7 +342,7 @@ def _block_rows(idx, draft_token_ids, cu_num_draft_tokens, draft_probs, target_p
         p_next = target_probs[torch.where(has_next, first_target + col + 1, 0)]  # (S, V)
         q_next = draft_probs[torch.where(has_next, first_draft + col + 1, 0).clamp(max=num_total - 1)]  # (S, V)
         r[:, col] = torch.where(has_next, residual_mass(w[:, col], p_next, q_next), w[:, col])
-    eta = philox_uniform(seed[:, None], position[:, None] + j, STREAM_BLOCK_ACCEPT, torch.zeros_like(j))  # (S, K)
+    eta = block_uniforms(seed, position, max_k)  # (S, K)
     stop = (eta * (r + (1.0 - w)) < r) & has_draft  # (S, K)
     tau = torch.where(stop, j + 1, 0).amax(dim=1) if max_k else ks * 0  # (S,) the last position that stops
 

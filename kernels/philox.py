@@ -27,7 +27,15 @@ STREAM_SAMPLE = 0  # plain sampling of the next token (target-only decoding)
 STREAM_DRAFT = 1  # a draft model sampling its proposal from q
 STREAM_ACCEPT = 2  # the accept/reject uniform of a draft token
 STREAM_RESIDUAL = 3  # residual (recovered) token after a rejection, or the bonus token
-STREAM_BLOCK_ACCEPT = 4  # block verification's per-position stop uniform (kernels/block_verify.py)
+STREAM_BLOCK_ACCEPT = 4  # block verification's stop uniforms, keyed by the round (kernels/block_verify.py)
+
+
+def round_stream(stream: int, offset: int) -> int:
+    """The stream word of draw ``offset`` (>= 0) of a round whose draws are keyed by the round's start position
+    instead of each draw's own position: ``stream | (offset + 1) << 16``, distinct from every plain stream.
+    Block verification needs drafts drawn this way (kernels/block_verify.py, "Drafts")."""
+    return stream | (offset + 1) << 16
+
 
 _MASK32 = 0xFFFFFFFF
 _ROUND_A = 0xD2511F53

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
+from specdec.config import VERIFY_METHODS
 
 EXIT_USAGE = 2  # bad arguments or input files (argparse's own code)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -151,6 +152,8 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-speculative-tokens", type=int, default=_speculative_default("num_speculative_tokens"),
                        help="k, the most tokens drafted per round")
     group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
+    group.add_argument("--verify", choices=VERIFY_METHODS, default=_speculative_default("verify"),
+                       help="verification of sampled draft chains: token-wise or block (Sun et al. 2025)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,7 +207,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
             raise ValueError("--draft-model needs --speculative-method draft_model or combined")
         return None
     return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
-                             num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive)
+                             num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
+                             verify=args.verify)
 
 
 def _model_path(model: str | None) -> str:

@@ -110,6 +110,7 @@ def tree_size(branching: list[int]) -> int:
 
 SPECULATIVE_METHODS = ("draft_model", "ngram", "prompt_lookup", "combined")
 MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram")
+VERIFY_METHODS = ("token", "block")
 
 
 @dataclass
@@ -132,6 +133,10 @@ class SpeculativeConfig:
         adaptive: choose k per request in [0, k] from its online acceptance and the measured costs; k = 0
             switches speculation off for the request (with occasional probes).
         cost_model: inject the costs adaptive k uses (see specdec.engine.adaptive); None = measured.
+        verify: how sampled chains are verified: "token" (accept each draft with min(1, p/q) until the first
+            rejection) or "block" (Sun et al. 2025: the block jointly; never fewer accepted tokens in expectation,
+            lossless; kernels/block_verify.py). Greedy rows and model-free (one-hot) drafts are verified token-wise
+            either way (block gains nothing there).
         tree: draft a token tree instead of a chain. A list of branching factors per depth, e.g. ``[3, 2, 1, 1]``
             (every node at depth d gets ``tree[d]`` children: 3 + 6 + 6 + 6 = 21 nodes), or ``"dynamic"``: a
             best-first tree under ``tree_budget`` nodes, each node branching into at most ``tree_max_branch``
@@ -156,6 +161,7 @@ class SpeculativeConfig:
     combined_lookup: str = "prompt_lookup"
     adaptive: bool = False
     cost_model: object | None = None
+    verify: str = "token"
     tree: list[int] | str | None = None
     tree_budget: int = 16
     tree_max_branch: int = 4
@@ -185,6 +191,8 @@ class SpeculativeConfig:
                              f"{MODEL_FREE_LOOKUPS}")
         if self.cost_model is not None and not self.adaptive:
             raise ValueError("cost_model is only used with adaptive=True")
+        if self.verify not in VERIFY_METHODS:
+            raise ValueError(f"verify {self.verify!r} is not supported; supported: {VERIFY_METHODS}")
         self._check_tree()
 
     def _check_tree(self) -> None:

@@ -24,7 +24,7 @@ from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_tree import TreeShape, propose_tree
 from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.engine.sequence import Sequence
-from specdec.kernels.philox import STREAM_DRAFT
+from specdec.kernels.philox import STREAM_DRAFT, round_stream
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
 from specdec.sampling.sampler import read_checked, sample_rows
@@ -43,6 +43,9 @@ class DraftModelDrafter:
         self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
         self.on_forward = None  # optional callback (batch_size, seconds) per draft forward, for the cost model
         self.tree_shape: TreeShape | None = None  # how propose_tree grows trees (set by the SpeculativeDecoder)
+        # Key draft j's noise by (round start, j) instead of its position: block verification looks at drafts
+        # beyond those it emits, so the next round must not redraw them with the same noise (kernels/block_verify.py)
+        self.noise_per_round = False
 
     def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
         """A draft tree per request (depth <= ``max_depths[i]``, at most ``max_nodes[i]`` drafted nodes), grown by
@@ -140,15 +143,16 @@ class DraftModelDrafter:
         the same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts
         so far on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into
         ``bad_rows``, not raised, so that the check costs no host read here."""
+        per_round = self.noise_per_round
         return sample_rows(
             logits,
             [s.params for s in seqs],
             [s.seed for s in seqs],
-            [s.num_tokens + step for s in seqs],
+            [s.num_tokens + (0 if per_round else step) for s in seqs],
             [self._known(s.prompt_token_ids) for s in seqs] if drafts is not None else [[] for _ in seqs],
             [self._known(s.output_token_ids) + d for s, d in zip(seqs, drafts)] if drafts is not None
             else [[] for _ in seqs],
-            STREAM_DRAFT,
+            round_stream(STREAM_DRAFT, step) if per_round else STREAM_DRAFT,
             bad_rows=bad_rows,
         )
 

@@ -57,6 +57,8 @@ class SpeculativeDecoder:
         self.adaptive = AdaptiveK(self.k, self.cost_model) if spec.adaptive else None
         if model_drafter is not None and self.adaptive is not None:  # draft timings feed adaptive k only
             model_drafter.on_forward = self.cost_model.observe_draft
+        if model_drafter is not None:
+            model_drafter.noise_per_round = spec.verify == "block"  # fresh drafts every round (block_verify.py)
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
         if model_drafter is not None and spec.uses_tree:
             model_drafter.tree_shape = TreeShape(spec.tree if isinstance(spec.tree, list) else None,
@@ -150,7 +152,7 @@ class SpeculativeDecoder:
             result = verify_trees(logits, drafts.seqs, drafts.proposal)
             return {s.seq_id: (e, a, nodes) for s, e, a, nodes in
                     zip(drafts.seqs, result.emitted, result.num_accepted, result.accepted_nodes)}
-        result = verify(logits, drafts.seqs, drafts.proposal)
+        result = verify(logits, drafts.seqs, drafts.proposal, method=self.spec.verify)
         return {s.seq_id: (e, a, None) for s, e, a in zip(drafts.seqs, result.emitted, result.num_accepted)}
 
     def commit_round(self, seq: Sequence, drafted: int, accepted: int, target_block_manager: BlockManager,

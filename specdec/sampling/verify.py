@@ -26,13 +26,16 @@ class VerifyResult:
     num_accepted: list[int]
 
 
-def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) -> VerifyResult:
+def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal, *,
+           method: str = "token") -> VerifyResult:
     """Accept/reject the drafts of ``seqs``.
 
     Args:
         logits: fp32 ``[sum(k_b + 1), V]`` target logits; request b owns k_b + 1 consecutive rows (p at each draft
             position, then the bonus position).
         proposal: the drafts and their q.
+        method: "token" (``ops.spec_sample``) or "block" (``ops.block_verify``: block verification of sampled
+            rows with a real q; greedy and one-hot rows token-wise); ``SpeculativeConfig.verify``.
     """
     device = logits.device
     drafts = proposal.token_ids
@@ -54,7 +57,8 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal) 
     for d in drafts:
         cu.append(cu[-1] + len(d))
     flat = [t for d in drafts for t in d]
-    out, num_accepted = ops.spec_sample(
+    verify_op = ops.block_verify if method == "block" else ops.spec_sample  # same arguments and outputs
+    out, num_accepted = verify_op(
         torch.tensor(flat, dtype=torch.int64, device=device),
         torch.tensor(cu, dtype=torch.int32, device=device),
         proposal.probs,
