@@ -8,15 +8,17 @@ is always a path when the budget holds it; greedy tree verification never accept
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.ngram import NgramDrafter, NgramTable
-from specdec.drafters.prompt_lookup import PromptLookupDrafter, prompt_lookup, prompt_lookup_tree
+from specdec.drafters import prompt_lookup as prompt_lookup_module
+from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_matches, prompt_lookup, prompt_lookup_tree
 from specdec.drafters.tree import DraftTree
-from specdec.engine.sequence import Sequence
+from specdec.engine.sequence import Sequence, Status
 from specdec.sampling.params import SamplingParams
 
 
@@ -145,6 +147,37 @@ def test_match_cap_bounds_the_tree():
     for cap in (2, 5, 64):
         tree = prompt_lookup_tree(tokens, 4, 50, 1, 3, max_matches=cap)
         assert tree.is_chain() and tree.token_ids[1:] == (2, 1, 2, 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_lookup_matches_vectorised_and_python_agree(seed):
+    # binary streams of 300 tokens: ~150 candidates, over the Python path's limit of 64
+    rng = random.Random(seed)
+    tokens = [rng.randrange(2) for _ in range(300)]
+    arr = np.asarray(tokens, dtype=np.int64)
+    starts = np.flatnonzero(arr[:-1] == arr[-1]) + 1
+    assert starts.size > prompt_lookup_module._PY_EXTEND_MAX
+    py = prompt_lookup_module._match_lengths_py(tokens, starts.tolist(), 6)
+    assert prompt_lookup_module._match_lengths_np(arr, starts, 6).tolist() == py
+    got_starts, got_lengths = lookup_matches(arr, 2, 6)
+    assert list(zip(got_starts.tolist(), got_lengths.tolist())) == oracle_matches(tokens, 2, 6)
+
+
+def test_drafter_keeps_its_array_in_step_with_the_request():
+    drafter = PromptLookupDrafter(1, 3)
+    text = streams(1, seed=5)[0] * 3
+    s = seq(text[:5])
+    for n in range(5, len(text)):
+        s.output_token_ids = text[5:n]
+        assert drafter.propose([s], [3]).token_ids[0] == prompt_lookup(text[:n], 3, 1, 3)
+        tree = drafter.propose_tree([s], [3], [6]).trees[0]
+        assert tree == prompt_lookup_tree(text[:n], 3, 6, 1, 3)
+    # the same seq id, another (longer) request: its own text, not the old one's prefix
+    other = seq(list(range(100, 100 + len(text))) + [100], seq_id=0)
+    assert drafter.propose([other], [2]).token_ids[0] == [101, 102]
+    other.status = Status.FINISHED
+    drafter.free(other)
+    assert 0 not in drafter.arrays
 
 
 @pytest.mark.parametrize("depth,budget", [(0, 5), (4, 0), (0, 0)])

@@ -23,42 +23,68 @@ from specdec.drafters.tree import DraftTree
 from specdec.engine.sequence import Sequence
 
 
-def lookup_matches(tokens: np.ndarray, min_ngram: int, max_ngram: int,
-                   max_matches: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Earlier matches of the suffix of ``tokens`` (int64 ``[L]``), best first.
+def lookup_matches(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_matches: int | None = None,
+                   token_list: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Earlier matches of the suffix of ``tokens`` (int64 ``[L]``; ``token_list``: the same as a list, if at hand).
 
     Returns ``(starts, lengths)``, int64 ``[M]`` each: ``starts[i]`` is where match i's continuation begins
     (``tokens[starts[i] - n : starts[i]]`` equals the last n tokens, ``n = lengths[i]``, ``starts[i] <= L - 1``),
-    ordered by length descending, then start descending; at most ``max_matches`` of them. Work is
-    O(occurrences of the last token * max_ngram).
+    ordered by length descending, then start descending; at most ``max_matches`` of them. Work is one pass over
+    the text plus O(occurrences of the last token * max_ngram).
     """
     length = tokens.size
-    if length < min_ngram + 1 or max_ngram < 1:
+    if length < max(min_ngram, 1) + 1 or max_ngram < 1:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty
     starts = np.flatnonzero(tokens[: length - 1] == tokens[length - 1]) + 1  # [M] matches of the last token
-    lengths = np.ones(starts.size, dtype=np.int64)
-    alive = np.ones(starts.size, dtype=bool)
-    for j in range(2, max_ngram + 1):
-        if j >= length:
-            break
-        ok = alive & (starts >= j)
-        ok[ok] = tokens[starts[ok] - j] == tokens[length - j]
-        alive = ok
-        if not alive.any():
-            break
-        lengths += alive
+    span = min(max_ngram, length - 1)
+    if starts.size <= _PY_EXTEND_MAX:  # few candidates: a Python loop beats a dozen numpy calls
+        if token_list is None:
+            token_list = tokens.tolist()
+        lengths = np.asarray(_match_lengths_py(token_list, starts.tolist(), span), dtype=np.int64)
+    else:
+        lengths = _match_lengths_np(tokens, starts, span)
     keep = lengths >= min_ngram
     starts, lengths = starts[keep], lengths[keep]
     order = np.lexsort((-starts, -lengths))[:max_matches]  # primary: longer; then: more recent
     return starts[order], lengths[order]
 
 
-def prompt_lookup(tokens: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
-    """Up to ``k`` tokens that followed the most recent earlier match of the longest matching suffix."""
+_PY_EXTEND_MAX = 64  # candidates up to which match lengths are measured in Python
+
+
+def _match_lengths_py(tokens: list[int], starts: list[int], span: int) -> list[int]:
+    """Per candidate start (``tokens[start - 1] == tokens[-1]``), how many tokens before it match the text's
+    last ones, up to ``span``."""
+    last = len(tokens) - 1
+    out = []
+    for start in starts:
+        n = 1
+        while n < span and start - n - 1 >= 0 and tokens[start - n - 1] == tokens[last - n]:
+            n += 1
+        out.append(n)
+    return out
+
+
+def _match_lengths_np(tokens: np.ndarray, starts: np.ndarray, span: int) -> np.ndarray:
+    """``_match_lengths_py`` vectorised over the candidates (int64 ``[M]``)."""
+    length = tokens.size
+    back = np.arange(1, span + 1)  # [span] 1, 2, ..: offsets back from a match end / the text's end
+    before = starts[:, None] - back  # [M, span] positions compared with tokens[length - back]
+    # eq[m, j]: the (j+1)-th token before match m equals the (j+1)-th last token (false before the text start)
+    eq = (tokens[np.maximum(before, 0)] == tokens[length - back]) & (before >= 0)  # bool [M, span]
+    return np.logical_and.accumulate(eq, axis=1).sum(axis=1)  # eq[:, 0] is true by construction
+
+
+def prompt_lookup(tokens: list[int], k: int, min_ngram: int, max_ngram: int,
+                  array: np.ndarray | None = None) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier match of the longest matching suffix.
+    ``array``: ``tokens`` as int64 ``[L]`` if the caller keeps one (saves the conversion)."""
     if k <= 0:
         return []
-    starts, _ = lookup_matches(np.asarray(tokens, dtype=np.int64), min_ngram, max_ngram, max_matches=1)
+    if array is None:
+        array = np.asarray(tokens, dtype=np.int64)
+    starts, _ = lookup_matches(array, min_ngram, max_ngram, max_matches=1, token_list=tokens)
     if not starts.size:
         return []
     start = int(starts[0])
@@ -66,16 +92,19 @@ def prompt_lookup(tokens: list[int], k: int, min_ngram: int, max_ngram: int) -> 
 
 
 def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ngram: int, max_ngram: int,
-                       max_matches: int = 64) -> DraftTree:
+                       max_matches: int = 64, array: np.ndarray | None = None) -> DraftTree:
     """The token trie of the continuations of the best ``max_matches`` matches (see the module docstring).
 
     Root = ``tokens[-1]``; depth ``<= max_depth``; at most ``max_nodes`` drafted nodes; the chain
     ``prompt_lookup(tokens, max_depth, ...)`` is a root-to-node path whenever ``max_nodes`` holds it.
+    ``array``: as for :func:`prompt_lookup`.
     """
     root = tokens[-1]
     if max_depth <= 0 or max_nodes <= 0:
         return DraftTree((root,), (-1,))
-    starts, _ = lookup_matches(np.asarray(tokens, dtype=np.int64), min_ngram, max_ngram, max_matches)
+    if array is None:
+        array = np.asarray(tokens, dtype=np.int64)
+    starts, _ = lookup_matches(array, min_ngram, max_ngram, max_matches, token_list=tokens)
     # the trie: node -> {token: child}; per node its support (matches through it) and most recent match start
     children: list[dict[int, int]] = [{}]
     support, recency, token_of = [0], [-1], [root]
@@ -102,23 +131,60 @@ def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ng
     return best_first_tree(root, 0, expand, max_depth, max_nodes, chain)
 
 
+class _TokenArray:
+    """One request's text as a growing int64 buffer: each call converts only the tokens added since the last."""
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq  # the request it mirrors (a reused seq id is a different object: rebuilt)
+        self.buffer = np.empty(256, dtype=np.int64)
+        self.size = 0
+
+    def view(self, tokens: list[int]) -> np.ndarray:
+        """int64 ``[len(tokens)]`` equal to ``tokens`` (a request's text only grows)."""
+        n = len(tokens)
+        if n < self.size:  # never for one request; rebuild rather than trust it
+            self.size = 0
+        if n > self.buffer.size:
+            grown = np.empty(max(2 * self.buffer.size, n), dtype=np.int64)
+            grown[: self.size] = self.buffer[: self.size]
+            self.buffer = grown
+        self.buffer[self.size : n] = tokens[self.size :]
+        self.size = n
+        return self.buffer[:n]
+
+
 class PromptLookupDrafter:
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4, max_matches: int = 64):
         self.min_ngram, self.max_ngram, self.max_matches = min_ngram, max_ngram, max_matches
+        self.arrays: dict[int, _TokenArray] = {}  # seq id -> its text as an array
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
-        drafts = [prompt_lookup(s.all_token_ids, k, self.min_ngram, self.max_ngram) for s, k in zip(seqs, num_tokens)]
+        drafts = []
+        for seq, k in zip(seqs, num_tokens):
+            tokens = seq.all_token_ids
+            drafts.append(prompt_lookup(tokens, k, self.min_ngram, self.max_ngram, self._array(seq, tokens)))
         return DraftProposal(drafts, None, [True] * len(seqs))
 
     def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
         """Per request a token trie (depth ``<= max_depths[i]``, ``<= max_nodes[i]`` drafts); one-hot, no q."""
         check_tree_budgets(len(seqs), max_depths, max_nodes)
-        trees = [prompt_lookup_tree(s.all_token_ids, d, n, self.min_ngram, self.max_ngram, self.max_matches)
-                 for s, d, n in zip(seqs, max_depths, max_nodes)]
+        trees = []
+        for seq, depth, nodes in zip(seqs, max_depths, max_nodes):
+            tokens = seq.all_token_ids
+            trees.append(prompt_lookup_tree(tokens, depth, nodes, self.min_ngram, self.max_ngram, self.max_matches,
+                                            self._array(seq, tokens)))
         return tree_proposal(trees)
 
+    def _array(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
+        entry = self.arrays.get(seq.seq_id)
+        if entry is None or entry.seq is not seq:
+            entry = self.arrays[seq.seq_id] = _TokenArray(seq)
+        return entry.view(tokens)
+
     def rollback(self, seq: Sequence, kv_len: int) -> None:
-        pass
+        pass  # the text holds emitted tokens only
 
     def free(self, seq: Sequence) -> None:
-        pass
+        # keep the array across preemption: the request's tokens are kept
+        if seq.is_finished:
+            self.arrays.pop(seq.seq_id, None)
