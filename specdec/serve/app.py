@@ -185,11 +185,11 @@ class _Server:
             async for i, out in _merge(streams):
                 if out.finished:
                     finals[i] = out
-                    if out.outputs and out.outputs[0].finish_reason in ("error", "abort"):
-                        failed = _failure([out])
-                        yield _event(failed.body())
-                        yield "data: [DONE]\n\n"
-                        return
+                failed = _failure([out])  # any sample failed (n > 1: the others are aborted below)
+                if failed is not None:
+                    yield _event(failed.body())
+                    yield "data: [DONE]\n\n"
+                    return
                 for c in out.outputs:
                     index = i * req.n + c.index
                     text = c.text[shown_text.get(index, 0):]
@@ -300,13 +300,14 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _failure(finals: list[RequestOutput]) -> RequestError | None:
-    """The error response for a request that failed in the engine or was aborted by shutdown, else None."""
+    """The error response for a request any of whose samples failed in the engine or was aborted (shutdown),
+    else None. OpenAI's shape has no per-choice error, so one failed sample fails the HTTP request."""
     for out in finals:
-        reason = out.outputs[0].finish_reason if out.outputs else "error"
-        if reason == "error":
+        reasons = {c.finish_reason for c in out.outputs} if out.outputs else {"error"}
+        if "error" in reasons:
             return RequestError(f"the request failed in the engine: {out.error}", None, status=500,
                                 type="server_error", code="engine_error")
-        if reason == "abort":
+        if "abort" in reasons:
             return RequestError("the request was aborted (the server is shutting down)", None, status=503,
                                 type="server_unavailable", code="aborted")
     return None
