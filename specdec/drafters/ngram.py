@@ -92,9 +92,9 @@ class NgramTable:
             if not conts:
                 return []
             total = sum(count for count, _ in conts.values())
-            kids = [(tok, (prob * count / total, last), ((*context, tok)[-keep:], prob * count / total))
+            kids = [(tok, (-prob * count / total, -last), ((*context, tok)[-keep:], prob * count / total))
                     for tok, (count, last) in conts.items()]
-            kids.sort(key=lambda kid: kid[1], reverse=True)  # sibling last-seen indices differ: a total order
+            kids.sort(key=lambda kid: kid[1])  # best first; sibling last-seen indices differ: a total order
             return kids
 
         context = tuple(list(self.history)[-keep:])

@@ -105,29 +105,42 @@ def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ng
     if array is None:
         array = np.asarray(tokens, dtype=np.int64)
     starts, _ = lookup_matches(array, min_ngram, max_ngram, max_matches, token_list=tokens)
+    if not starts.size:
+        return DraftTree((root,), (-1,))
+    # distinct continuations -> [matches, most recent start] (repetitive text repeats its continuations)
+    conts: dict[tuple[int, ...], list[int]] = {}
+    for start in starts.tolist():
+        cont = tuple(tokens[start : start + max_depth])
+        seen = conts.get(cont)
+        if seen is None:
+            conts[cont] = [1, start]
+        else:
+            seen[0] += 1
+            seen[1] = max(seen[1], start)  # matches arrive longest first, not latest first
+    chain = tokens[int(starts[0]) : int(starts[0]) + max_depth]
+    if len(conts) == 1:  # every match agrees: the tree is the chain
+        return DraftTree.chain(root, chain[:max_nodes])
     # the trie: node -> {token: child}; per node its support (matches through it) and most recent match start
     children: list[dict[int, int]] = [{}]
-    support, recency, token_of = [0], [-1], [root]
-    for start in starts.tolist():
+    support, recency = [0], [-1]
+    for cont, (count, start) in conts.items():
         node = 0
-        for token in tokens[start : start + max_depth]:
+        for token in cont:
             child = children[node].get(token)
             if child is None:
-                child = children[node][token] = len(token_of)
+                child = children[node][token] = len(support)
                 children.append({})
                 support.append(0)
                 recency.append(start)
-                token_of.append(token)
-            support[child] += 1
-            recency[child] = max(recency[child], start)  # matches arrive longest first, not latest first
+            support[child] += count
+            recency[child] = max(recency[child], start)
             node = child
 
     def expand(node: int) -> list[tuple[int, tuple, int]]:
-        kids = [(tok, (support[c], recency[c]), c) for tok, c in children[node].items()]
-        kids.sort(key=lambda kid: kid[1], reverse=True)  # sibling recencies differ: a total order
+        kids = [(tok, (-support[c], -recency[c]), c) for tok, c in children[node].items()]
+        kids.sort(key=lambda kid: kid[1])  # sibling recencies differ: a total order
         return kids
 
-    chain = tokens[int(starts[0]) : int(starts[0]) + max_depth] if starts.size else []
     return best_first_tree(root, 0, expand, max_depth, max_nodes, chain)
 
 

@@ -1,10 +1,10 @@
 """Best-first selection of a model-free draft tree under a node budget, with one chain kept by construction.
 
 The model-free drafters (prompt lookup, n-gram) describe their candidates as an implicit trie: from a node's
-state, ``expand(state)`` lists the node's candidate children as ``(token, key, child_state)``. A key is a tuple
-of numbers that ranks nodes across the whole tree (higher = more likely) and never increases from a parent to
-its children (a match count, a path probability), so a best-first expansion from the root keeps the
-best-ranked connected set of nodes: a node is kept only if its parent is.
+state, ``expand(state)`` lists the node's candidate children as ``(token, rank, child_state)``, best first. A
+rank is a tuple of numbers that orders nodes across the whole tree (lower = more likely: a negated match count,
+a negated path probability) and never decreases from a parent to its children, so a best-first expansion from
+the root keeps the best-ranked connected set of nodes: a node is kept only if its parent is.
 
 One path - the drafter's own chain, what ``propose()`` returns - is kept first, so a tree never loses the
 chain's candidate when the budget holds it: greedy tree verification then accepts at least as many tokens as
@@ -20,8 +20,8 @@ from typing import Any
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.tree import DraftTree
 
-Key = tuple  # numbers, compared lexicographically; higher = tried first
-Expand = Callable[[Any], list[tuple[int, Key, Any]]]
+Rank = tuple  # numbers, compared lexicographically; lower = kept first and tried first
+Expand = Callable[[Any], list[tuple[int, Rank, Any]]]
 
 
 def check_tree_budgets(num_seqs: int, max_depths: Seq[int], max_nodes: Seq[int]) -> None:
@@ -45,24 +45,24 @@ def best_first_tree(root_token: int, root_state: Hashable, expand: Expand, max_d
     """A tree of at most ``max_nodes`` drafted nodes and depth ``<= max_depth``.
 
     First the nodes of ``chain`` (as far as the budget, the depth and ``expand`` allow: each chain token must
-    be one of its parent's candidates), then best-first by key among the children of kept nodes (ties: the
-    order ``expand`` listed them in, earlier parents first). Siblings are emitted by key, best first (ties:
-    ``expand``'s order), in DFS order.
+    be one of its parent's candidates), then best-first by rank among the children of kept nodes (ties: the
+    order they became candidates in). Siblings are emitted by rank, best first (ties: ``expand``'s order), in
+    DFS order.
     """
-    tokens, parents, depths, keys = [root_token], [-1], [0], [()]
+    tokens, parents, depths, ranks = [root_token], [-1], [0], [()]
     states = [root_state]
-    cands: dict[int, list[tuple[int, Key, Any]]] = {}  # kept node -> its candidate children (lazily)
+    cands: dict[int, list[tuple[int, Rank, Any]]] = {}  # kept node -> its candidate children (lazily)
 
-    def candidates(node: int) -> list[tuple[int, Key, Any]]:
+    def candidates(node: int) -> list[tuple[int, Rank, Any]]:
         if node not in cands:
             cands[node] = expand(states[node]) if depths[node] < max_depth else []  # none at max_depth
         return cands[node]
 
-    def keep(parent: int, token: int, key: Key, state: Any) -> int:
+    def keep(parent: int, token: int, rank: Rank, state: Any) -> int:
         tokens.append(token)
         parents.append(parent)
         depths.append(depths[parent] + 1)
-        keys.append(key)
+        ranks.append(rank)
         states.append(state)
         return len(tokens) - 1
 
@@ -77,32 +77,32 @@ def best_first_tree(root_token: int, root_state: Hashable, expand: Expand, max_d
         taken.add((node, token))
         node = keep(node, *hit)
 
-    heap: list[tuple[tuple, int, int, int, Any, Key]] = []  # (negated key, order, parent, token, state, key)
+    heap: list[tuple[Rank, int, int, int, Any]] = []  # (rank, order, parent, token, state)
     order = 0
 
     def push_children(parent: int) -> None:
         nonlocal order
         room = max_nodes + 1 - len(tokens)  # no more of one node's children can still be kept
-        for token, key, state in candidates(parent):
+        for token, rank, state in candidates(parent):
             if room <= 0:
                 break
             if (parent, token) not in taken:
-                heapq.heappush(heap, (tuple(-x for x in key), order, parent, token, state, key))
+                heapq.heappush(heap, (rank, order, parent, token, state))
                 order += 1
                 room -= 1
 
     for kept in range(len(tokens)):
         push_children(kept)
     while heap and len(tokens) <= max_nodes:
-        _, _, parent, token, state, key = heapq.heappop(heap)
+        rank, _, parent, token, state = heapq.heappop(heap)
         taken.add((parent, token))
-        push_children(keep(parent, token, key, state))
+        push_children(keep(parent, token, rank, state))
 
-    return _dfs(tokens, parents, keys)
+    return _dfs(tokens, parents, ranks)
 
 
-def _dfs(tokens: list[int], parents: list[int], keys: list[Key]) -> DraftTree:
-    """Renumber kept nodes (parents before children) into DFS order, siblings by key (stable)."""
+def _dfs(tokens: list[int], parents: list[int], ranks: list[Rank]) -> DraftTree:
+    """Renumber kept nodes (parents before children) into DFS order, siblings by rank (stable)."""
     kids: list[list[int]] = [[] for _ in tokens]
     for i in range(1, len(tokens)):
         kids[parents[i]].append(i)
@@ -113,6 +113,6 @@ def _dfs(tokens: list[int], parents: list[int], keys: list[Key]) -> DraftTree:
         new_tokens.append(tokens[node])
         new_parents.append(parent)
         me = len(new_tokens) - 1
-        ordered = sorted(kids[node], key=lambda c: tuple(-x for x in keys[c]))  # stable: insertion order ties
+        ordered = sorted(kids[node], key=ranks.__getitem__)  # stable: ties keep insertion order
         stack.extend((c, me) for c in reversed(ordered))
     return DraftTree(tuple(new_tokens), tuple(new_parents))
