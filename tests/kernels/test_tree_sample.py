@@ -13,7 +13,7 @@ import torch
 from specdec import ops
 from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
 from specdec.kernels.spec_sample import spec_sample, spec_sample_reference
-from specdec.kernels.tree_sample import tree_sample, tree_sample_reference
+from specdec.kernels.tree_sample import tree_sample, tree_sample_config, tree_sample_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -379,6 +379,12 @@ def test_empty_batch_and_roots_only():
     kernel, reference = run_both(roots)
     assert_same(kernel, reference)
     assert reference[0].shape == (3, 1) and reference[2].shape == (3, 0) and (reference[1] == 0).all()
+
+
+def test_config():
+    assert tree_sample_config(111).block_v == 128 and tree_sample_config(151936).block_v == 1024
+    with pytest.raises(ValueError, match="vocab_size"):
+        tree_sample_config(0)
 
 
 def test_sampled_drafts_from_the_drafter_stream_are_distinct():
