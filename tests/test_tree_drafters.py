@@ -84,9 +84,10 @@ LOOKUP_CASES = [(t, d, b, lo, hi) for t, (d, b, lo, hi) in zip(
     streams(120), [(d, b, lo, hi) for d in (1, 3, 5) for b in (1, 4, 8, 40) for lo, hi in ((1, 3), (2, 4))] * 5)]
 
 
+@pytest.mark.parametrize("keep_chain", [True, False])
 @pytest.mark.parametrize("tokens,depth,budget,lo,hi", LOOKUP_CASES)
-def test_prompt_lookup_tree_against_the_oracle(tokens, depth, budget, lo, hi):
-    tree = prompt_lookup_tree(tokens, depth, budget, lo, hi)
+def test_prompt_lookup_tree_against_the_oracle(tokens, depth, budget, lo, hi, keep_chain):
+    tree = prompt_lookup_tree(tokens, depth, budget, lo, hi, keep_chain=keep_chain)
     assert tree.token_ids[0] == tokens[-1] and tree.num_drafts <= budget and tree.max_depth <= depth
     keys = oracle_keys(tokens, depth, lo, hi)
     paths = node_paths(tree)
@@ -96,7 +97,7 @@ def test_prompt_lookup_tree_against_the_oracle(tokens, depth, budget, lo, hi):
         ranked = [keys[tuple(tree.path_tokens(c))] for c in kids]
         assert ranked == sorted(ranked, reverse=True)
     # the chain is a path whenever the budget holds it; the rest are the best-ranked candidates
-    chain = prompt_lookup(tokens, depth, lo, hi)
+    chain = prompt_lookup(tokens, depth, lo, hi) if keep_chain else []
     if len(chain) <= budget:
         assert tuple(chain) in paths or not chain
     else:
@@ -223,14 +224,15 @@ def oracle_probs(window, tree, min_order, max_order):
 NGRAM_CASES = [(t, d, b) for t, (d, b) in zip(streams(60, seed=1), [(d, b) for d in (1, 3, 5) for b in (1, 4, 12)] * 7)]
 
 
+@pytest.mark.parametrize("keep_chain", [True, False])
 @pytest.mark.parametrize("tokens,depth,budget", NGRAM_CASES)
-def test_ngram_tree_against_the_oracle(tokens, depth, budget):
+def test_ngram_tree_against_the_oracle(tokens, depth, budget, keep_chain):
     window_size = 24
     table = NgramTable(2, 4, window_size)
     for t in tokens:
         table.push(t)
     window = tokens[-window_size:]
-    tree = table.predict_tree(depth, budget)
+    tree = table.predict_tree(depth, budget, keep_chain)
     assert tree.token_ids[0] == tokens[-1] and tree.num_drafts <= budget and tree.max_depth <= depth
     probs = oracle_probs(window, tree, 2, 4)
     assert probs is not None  # every path is a chain of table predictions
@@ -240,7 +242,7 @@ def test_ngram_tree_against_the_oracle(tokens, depth, budget):
         ranked = [conts[tree.token_ids[c]] for c in siblings]
         assert ranked == sorted(ranked, reverse=True)  # most frequent first, ties most recently seen
         # best-first: no dropped child of a kept node (outside the chain) beats a kept non-chain node
-    chain = table.predict(depth)
+    chain = table.predict(depth) if keep_chain else []
     paths = node_paths(tree)
     if len(chain) <= budget:
         assert tuple(chain) in paths or not chain
@@ -277,6 +279,23 @@ def test_ngram_tree_keeps_the_most_frequent_runner_up_not_the_most_recent():
         table.push(t)
     assert table.predict_tree(1, 2).token_ids == (0, 1, 2)
     assert table.predict_tree(1, 3).token_ids == (0, 1, 2, 3)
+
+
+def test_without_keep_chain_the_budget_goes_to_the_most_probable_nodes():
+    # after 0: 1 twice, 2 twice (most recent: the chain's); after 2: 6 once, 7 once (most recent). The chain
+    # 2 7 has probability 1/4 at 7; without keep_chain the second node is the runner-up 1 (probability 1/2)
+    stream = [0, 1, 5, 0, 1, 5, 0, 2, 6, 0, 2, 7, 0]
+    table = NgramTable(2, 2)
+    for t in stream:
+        table.push(t)
+    assert table.predict(2) == [2, 7]
+    assert table.predict_tree(2, 2).token_ids == (0, 2, 7)
+    assert table.predict_tree(2, 2, keep_chain=False).token_ids == (0, 2, 1)
+    assert NgramDrafter(2, 2, keep_chain=False).propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
+    # prompt lookup: after 0 come 1 5, 1 5, 2 6, 2 7 (the latest match: the chain 2 7)
+    assert prompt_lookup_tree(stream, 2, 2, 1, 1).token_ids == (0, 2, 7)
+    assert prompt_lookup_tree(stream, 2, 2, 1, 1, keep_chain=False).token_ids == (0, 2, 1)
+    assert PromptLookupDrafter(1, 1, keep_chain=False).propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
 
 
 # --- both drafters: proposal shape, greedy acceptance, determinism, bad input -----------------------------

@@ -75,10 +75,11 @@ class NgramTable:
             context = (context + [token])[-(self.max_order - 1):]
         return out
 
-    def predict_tree(self, max_depth: int, max_nodes: int) -> DraftTree:
+    def predict_tree(self, max_depth: int, max_nodes: int, keep_chain: bool = True) -> DraftTree:
         """A tree of table predictions after the current history: root = the last token pushed, depth
         ``<= max_depth``, at most ``max_nodes`` drafts, the most probable paths kept (module docstring);
-        ``predict(max_depth)`` is a root-to-node path whenever ``max_nodes`` holds it."""
+        ``predict(max_depth)`` is a root-to-node path whenever ``max_nodes`` holds it, unless ``keep_chain`` is
+        False (then the budget goes to the most probable nodes only)."""
         if not self.history:
             raise ValueError("predict_tree needs a history: its root is the last token pushed")
         root = self.history[-1]
@@ -98,7 +99,8 @@ class NgramTable:
             return kids
 
         context = tuple(list(self.history)[-keep:])
-        return best_first_tree(root, (context, 1.0), expand, max_depth, max_nodes, self.predict(max_depth))
+        chain = self.predict(max_depth) if keep_chain else ()
+        return best_first_tree(root, (context, 1.0), expand, max_depth, max_nodes, chain)
 
     def _continuations(self, context: list[int]) -> dict[int, list[int]] | None:
         """Continuation -> [count, last seen] of the longest order whose context matches, or None."""
@@ -121,8 +123,9 @@ class NgramTable:
 class NgramDrafter:
     """Model-free drafter over :class:`NgramTable` per request; drafts are one-hot (q is a point mass)."""
 
-    def __init__(self, min_order: int = 2, max_order: int = 4, window: int = 512):
+    def __init__(self, min_order: int = 2, max_order: int = 4, window: int = 512, keep_chain: bool = True):
         self.min_order, self.max_order, self.window = min_order, max_order, window
+        self.keep_chain = keep_chain  # trees keep propose()'s chain first (NgramTable.predict_tree)
         self.tables: dict[int, NgramTable] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
@@ -133,7 +136,8 @@ class NgramDrafter:
         """Per request a tree of table predictions (depth ``<= max_depths[i]``, ``<= max_nodes[i]`` drafts);
         one-hot, no q."""
         check_tree_budgets(len(seqs), max_depths, max_nodes)
-        return tree_proposal([self._table(seq).predict_tree(d, n) for seq, d, n in zip(seqs, max_depths, max_nodes)])
+        return tree_proposal([self._table(seq).predict_tree(d, n, self.keep_chain)
+                              for seq, d, n in zip(seqs, max_depths, max_nodes)])
 
     def _table(self, seq: Sequence) -> NgramTable:
         """The request's table, caught up with its emitted tokens."""

@@ -92,12 +92,13 @@ def prompt_lookup(tokens: list[int], k: int, min_ngram: int, max_ngram: int,
 
 
 def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ngram: int, max_ngram: int,
-                       max_matches: int = 64, array: np.ndarray | None = None) -> DraftTree:
+                       max_matches: int = 64, array: np.ndarray | None = None, keep_chain: bool = True) -> DraftTree:
     """The token trie of the continuations of the best ``max_matches`` matches (see the module docstring).
 
     Root = ``tokens[-1]``; depth ``<= max_depth``; at most ``max_nodes`` drafted nodes; the chain
     ``prompt_lookup(tokens, max_depth, ...)`` is a root-to-node path whenever ``max_nodes`` holds it.
-    ``array``: as for :func:`prompt_lookup`.
+    ``array``: as for :func:`prompt_lookup`. ``keep_chain=False``: no node is kept first, the budget goes to the
+    best-supported nodes only.
     """
     root = tokens[-1]
     if max_depth <= 0 or max_nodes <= 0:
@@ -141,7 +142,7 @@ def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ng
         kids.sort(key=lambda kid: kid[1])  # sibling recencies differ: a total order
         return kids
 
-    return best_first_tree(root, 0, expand, max_depth, max_nodes, chain)
+    return best_first_tree(root, 0, expand, max_depth, max_nodes, chain if keep_chain else ())
 
 
 class _TokenArray:
@@ -167,8 +168,9 @@ class _TokenArray:
 
 
 class PromptLookupDrafter:
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4, max_matches: int = 64):
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4, max_matches: int = 64, keep_chain: bool = True):
         self.min_ngram, self.max_ngram, self.max_matches = min_ngram, max_ngram, max_matches
+        self.keep_chain = keep_chain  # trees keep propose()'s chain first (prompt_lookup_tree)
         self.arrays: dict[int, _TokenArray] = {}  # seq id -> its text as an array
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
@@ -185,7 +187,7 @@ class PromptLookupDrafter:
         for seq, depth, nodes in zip(seqs, max_depths, max_nodes):
             tokens = seq.all_token_ids
             trees.append(prompt_lookup_tree(tokens, depth, nodes, self.min_ngram, self.max_ngram, self.max_matches,
-                                            self._array(seq, tokens)))
+                                            self._array(seq, tokens), self.keep_chain))
         return tree_proposal(trees)
 
     def _array(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
