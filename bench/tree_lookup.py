@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     classes = args.prompts.split(",")
     streams = greedy_outputs(args.target, classes, args.prompts_per_class, args.max_tokens)
 
-    results = {"meta": {**machine_info(), "command": "python -m bench.tree_lookup " + " ".join(argv or []),
+    results = {"meta": {**machine_info(), "command": " ".join(["python -m bench.tree_lookup", *(sys.argv[1:] if argv is None else argv)]),
                         "target": args.target, "max_tokens": args.max_tokens,
                         "prompt_lookup_min": args.prompt_lookup_min,
                         "prompts": {cls: len(v) for cls, v in streams.items()}}, "configs": {}}
