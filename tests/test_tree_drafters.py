@@ -377,3 +377,31 @@ def test_combined_forwards_trees_and_falls_back_to_the_draft_model():
     assert proposal.probs.shape == (n + 3, 3)
     assert proposal.probs[:n].eq(0).all()
     assert proposal.probs[n:, 0].tolist() == [1.0, 2.0, 0.0]
+
+
+class FakeTreeDraftModel(FakeDraftModel):
+    """Also drafts trees: root -> 7 -> 8 and root -> 9, with q row i = i + 1 at node i (leaves too)."""
+
+    def propose_tree(self, seqs, max_depths, max_nodes):
+        trees = [DraftTree((s.last_token_id, 7, 8, 9), (-1, 0, 1, 0)) for s in seqs]
+        rows = [torch.full((1, 3), float(i + 1)) for _ in seqs for i in range(4)]
+        return DraftProposal([[7, 8, 9] for _ in seqs], torch.cat(rows), [False] * len(seqs), [2] * len(seqs), trees)
+
+
+def test_combined_takes_the_draft_models_trees_for_misses():
+    miss, hit, miss2 = seq([5, 6], 0), seq([1, 2, 3, 1, 2], 1), seq([4], 2)
+    proposal = CombinedDrafter(PromptLookupDrafter(), FakeTreeDraftModel()).propose_tree(
+        [miss, hit, miss2], [3, 3, 3], [4, 4, 4])
+    lookup = PromptLookupDrafter().propose_tree([hit], [3], [4]).trees[0]
+    assert lookup.num_drafts > 0
+    assert proposal.trees[1] == lookup
+    assert [t.token_ids for t in (proposal.trees[0], proposal.trees[2])] == [(6, 7, 8, 9), (4, 7, 8, 9)]
+    assert proposal.is_onehot == [False, True, False] and proposal.draft_forwards == [2, 0, 2]
+    n = lookup.num_drafts + 1
+    assert proposal.probs[:, 0].tolist() == [1.0, 2.0, 3.0, 4.0] + [0.0] * n + [1.0, 2.0, 3.0, 4.0]
+
+
+def test_combined_without_misses_is_the_lookups_proposal():
+    hit = seq([1, 2, 3, 1, 2], 0)
+    proposal = CombinedDrafter(PromptLookupDrafter(), FakeTreeDraftModel()).propose_tree([hit], [3], [4])
+    assert proposal.trees == PromptLookupDrafter().propose_tree([hit], [3], [4]).trees and proposal.probs is None
