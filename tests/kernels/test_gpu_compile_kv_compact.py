@@ -38,7 +38,7 @@ def test_kv_compact_compiles_without_spills():
                 for arch in ARCHS:
                     labels.append(f"{model} {str(dtype)[6:]} {phase}")
                     jobs.append(job_from_launch("specdec.kernels.kv_compact", "_kv_copy_rows_kernel", args,
-                                                constexprs, num_warps, 2, arch))  # fmt: skip
+                                                constexprs, num_warps, 3, arch))  # fmt: skip  (3: the launch default)
     reports = [dict(r, label=label) for label, r in zip(labels, compile_reports(jobs, workers=2), strict=True)]
     print("\n" + format_table(reports, ["label", "BLOCK_T", "BLOCK_W", "INDEX_IN", "INDEX_OUT"]))
     for r in reports:
