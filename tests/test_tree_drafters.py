@@ -348,6 +348,19 @@ def test_bad_budgets_are_rejected(make, depths, budgets, match):
         make().propose_tree([seq([1, 2, 1, 2]), seq([3, 3, 3], 1)], depths, budgets)
 
 
+@pytest.mark.parametrize("make", [PromptLookupDrafter, NgramDrafter])
+def test_numpy_budgets_are_accepted_and_bools_are_not(make):
+    seqs = [seq([1, 2, 1, 2])]
+    assert make().propose_tree(seqs, [np.int64(2)], [np.int32(2)]).trees[0].num_drafts == 2
+    with pytest.raises(ValueError, match="max_nodes must be non-negative integers"):
+        make().propose_tree(seqs, [2], [True])
+
+
+def test_prompt_lookup_needs_a_match_to_merge():
+    with pytest.raises(ValueError, match="max_matches"):
+        PromptLookupDrafter(max_matches=0)
+
+
 # --- combined: the lookup's tree, the draft model's chain (as a tree, with q rows per node) for misses ------
 class FakeDraftModel:
     """Chains of 7s with q rows numbered by draft position (not one-hot)."""

@@ -15,6 +15,7 @@ whenever the budget holds it), siblings most probable first (ties: the most rece
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 
 from specdec.drafters.base import DraftProposal
@@ -93,10 +94,11 @@ class NgramTable:
             if not conts:
                 return []
             total = sum(count for count, _ in conts.values())
-            kids = [(tok, (-prob * count / total, -last), ((*context, tok)[-keep:], prob * count / total))
-                    for tok, (count, last) in conts.items()]
-            kids.sort(key=lambda kid: kid[1])  # best first; sibling last-seen indices differ: a total order
-            return kids
+            # the best max_nodes continuations (no node keeps more children), best first: count, then last seen
+            # (sibling last-seen indices differ: a total order, whose first is the chain's _next)
+            best = heapq.nsmallest(max_nodes, conts.items(), key=lambda kv: (-kv[1][0], -kv[1][1]))
+            return [(tok, (-prob * count / total, -last), ((*context, tok)[-keep:], prob * count / total))
+                    for tok, (count, last) in best]
 
         context = tuple(list(self.history)[-keep:])
         chain = self.predict(max_depth) if keep_chain else ()

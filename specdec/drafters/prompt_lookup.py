@@ -169,6 +169,8 @@ class _TokenArray:
 
 class PromptLookupDrafter:
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4, max_matches: int = 64, keep_chain: bool = True):
+        if max_matches < 1:
+            raise ValueError(f"max_matches (matches merged into a tree) must be >= 1, got {max_matches}")
         self.min_ngram, self.max_ngram, self.max_matches = min_ngram, max_ngram, max_matches
         self.keep_chain = keep_chain  # trees keep propose()'s chain first (prompt_lookup_tree)
         self.arrays: dict[int, _TokenArray] = {}  # seq id -> its text as an array

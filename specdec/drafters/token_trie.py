@@ -14,6 +14,7 @@ chain verification of the same depth.
 from __future__ import annotations
 
 import heapq
+import numbers
 from collections.abc import Callable, Hashable, Sequence as Seq
 from typing import Any
 
@@ -30,7 +31,7 @@ def check_tree_budgets(num_seqs: int, max_depths: Seq[int], max_nodes: Seq[int])
         raise ValueError(f"propose_tree needs one max_depth and one max_nodes per request: got {num_seqs} "
                          f"requests, {len(max_depths)} max_depths, {len(max_nodes)} max_nodes")
     for name, values in (("max_depths", max_depths), ("max_nodes", max_nodes)):
-        bad = [v for v in values if not isinstance(v, int) or v < 0]
+        bad = [v for v in values if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 0]
         if bad:
             raise ValueError(f"{name} must be non-negative integers, got {bad[0]!r}")
 
