@@ -59,11 +59,14 @@ class ServerThread:
         return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=60)
 
     def engine_state(self) -> dict:
-        """Read on the engine loop thread: unfinished requests and free / total target KV blocks."""
+        """Read on the engine loop thread: unfinished requests and free / total KV blocks of every pool (target,
+        and the draft model's); unreferenced prefix-cache blocks count as free."""
         def read(engine):
-            bm = engine.block_manager
-            return {"unfinished": engine.has_unfinished_requests(), "free": bm.num_free_blocks,
-                    "total": bm.num_blocks}
+            pools = [engine.block_manager]
+            if engine.speculative is not None and engine.speculative.block_manager is not None:
+                pools.append(engine.speculative.block_manager)  # the draft model's pool
+            return {"unfinished": engine.has_unfinished_requests(), "free": sum(p.num_free_blocks for p in pools),
+                    "total": sum(p.num_blocks for p in pools), "pools": len(pools)}
 
         return self.async_engine.call_sync(read)
 
