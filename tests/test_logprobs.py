@@ -29,15 +29,20 @@ def hf_model(pair):
     return transformers.LlamaForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
 
 
-def spec_llm(pair, method):
-    config = (SpeculativeConfig(method="ngram", num_speculative_tokens=4) if method == "ngram"
-              else SpeculativeConfig(draft_model=pair[1], num_speculative_tokens=4))
-    return specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256, speculative=config)
+SPEC_CONFIGS = {
+    "ngram": lambda draft: SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+    "draft_model": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=4),
+    "draft_model_block": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=4, verify="block"),
+    # a token j on an accepted tree path comes from its node's row, not from row j
+    "draft_tree": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=3, tree=[2, 2, 1]),
+}
 
 
 @pytest.fixture(scope="module")
 def spec_llms(pair):
-    return {method: spec_llm(pair, method) for method in ("ngram", "draft_model")}
+    return {method: specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256,
+                                speculative=config(pair[1]))
+            for method, config in SPEC_CONFIGS.items()}
 
 
 def repetitive_prompts(n, seed=0):
@@ -105,11 +110,12 @@ def test_logprobs_are_raw_not_after_temperature_or_penalties(plain, hf_model):
     assert [list(e) for e in c.logprobs] == [[t] for t in c.token_ids]  # logprobs=0: the token only
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", list(SPEC_CONFIGS))
 def test_speculation_gives_the_same_logprobs(plain, spec_llms, hf_model, method):
     """Greedy: the same tokens with and without speculation, and the same numbers for them (a verified token j
     comes from row j of its window; mapping every token of a round to row 0 fails here). Sampled: speculative
-    tokens differ from plain ones, so they are checked against the oracle for their own prefixes."""
+    tokens differ from plain ones, so they are checked against the oracle for their own prefixes. Trees: a token
+    on the accepted path comes from its node's row."""
     llm = spec_llms[method]
     prompts = repetitive_prompts(4, seed=3)
     greedy = PARAMS["greedy"]
