@@ -165,3 +165,32 @@ def test_child_seed():
     assert len(set(seeds)) == len(seeds)  # distinct per (seed, index) here
     assert child_seed(7, 3) == child_seed(7, 3) != child_seed(8, 3)
     SamplingParams(seed=child_seed(MAX_SEED, 5))  # always a valid seed
+
+
+def test_a_failing_sample_ends_alone(plain, monkeypatch):
+    """NaN logits for sample 1 only: it ends with "error" (named in RequestOutput.error), the others finish, and
+    the request is reported finished once all have ended."""
+    engine = plain.engine
+    forward = engine.runner.forward
+
+    def nan_for_sample_1(items):
+        logits = forward(items)
+        running = {s.seq_id: s for s in engine.scheduler.running}
+        row, rows = 0, []
+        for it in items:
+            seq = running.get(it.seq_id)
+            if seq is not None and seq.parent_id is not None and seq.index == 1 and len(seq.output_token_ids) >= 2:
+                rows += range(row, row + it.num_logits)
+            row += it.num_logits
+        if rows:
+            logits = logits.clone()
+            logits[rows] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "forward", nan_for_sample_1)
+    out = plain.generate(prompt_token_ids=prompts(1, seed=7)[0], sampling_params=sampled(3, logprobs=0))[0]
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["length", "error", "length"]
+    assert out.error.startswith("output 1: FloatingPointError")
+    assert len(out.outputs[1].token_ids) == 2 == len(out.outputs[1].logprobs)
+    assert all(len(c.token_ids) == 10 == len(c.logprobs) for c in (out.outputs[0], out.outputs[2]))
+    assert_all_blocks_free(plain)
