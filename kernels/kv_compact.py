@@ -77,7 +77,7 @@ def kv_compact_reference(caches: Sequence[torch.Tensor], src_slots: torch.Tensor
     if src_slots.numel() == 0:
         return
     for cache in caches:
-        rows = _rows(cache)  # [L, S, W] view of the cache
+        rows = _rows(cache, as_bits=False)  # [L, S, W] view of the cache (torch's float copies are exact too)
         rows.index_copy_(1, dst_slots, rows.index_select(1, src_slots))  # the select copies: gather first
 
 
@@ -139,13 +139,15 @@ def copy_rows_launch(
     return grid, args, constexprs, 4
 
 
-def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """``[L, num_blocks * block_size, Hkv * D]`` integer view of a contiguous cache (L = 1 for a 4-D one)."""
+def _rows(cache: torch.Tensor, as_bits: bool = True) -> torch.Tensor:
+    """``[L, num_blocks * block_size, Hkv * D]`` view of a contiguous cache (L = 1 for a 4-D one), as same-width
+    integers if ``as_bits``."""
     *lead, num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     layers = 1
     for n in lead:
         layers *= n
-    return cache.view(_BITS[cache.element_size()]).view(layers, num_blocks * block_size, num_kv_heads * head_dim)
+    view = cache.view(_BITS[cache.element_size()]) if as_bits else cache
+    return view.view(layers, num_blocks * block_size, num_kv_heads * head_dim)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -185,10 +187,13 @@ def check_kv_compact_args(caches: Sequence[torch.Tensor], src_slots: torch.Tenso
                          f"{dst_slots.numel()}")  # fmt: skip
     if first.device.type == "cpu" and src_slots.numel():
         num_slots = first.shape[-4] * first.shape[-3]
-        for name, slots in (("src_slots", src_slots), ("dst_slots", dst_slots)):
-            lo, hi = int(slots.min()), int(slots.max())
+        # NOTE: on Python lists: N is small (accepted drafts of one batch), and a handful of torch ops on it (min,
+        # max, unique) cost more than the moves themselves.
+        values = {"src_slots": src_slots.tolist(), "dst_slots": dst_slots.tolist()}
+        for name, slots in values.items():
+            lo, hi = min(slots), max(slots)
             if lo < 0 or hi >= num_slots:
                 raise ValueError(f"{name} must lie in [0, num_blocks * block_size = {num_slots}), got values in "
                                  f"[{lo}, {hi}]")  # fmt: skip
-        if torch.unique(dst_slots).numel() != dst_slots.numel():
+        if len(set(values["dst_slots"])) != len(values["dst_slots"]):
             raise ValueError("dst_slots must be distinct (two moves into one slot)")
