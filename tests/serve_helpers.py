@@ -123,6 +123,14 @@ class Http:
         conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
         return conn, conn.getresponse()
 
+    def open(self, path: str, body: dict):
+        """Send a POST and return (connection, None) without reading the answer: ``connection.close()`` leaves."""
+        import json
+
+        conn = self._conn()
+        conn.request("POST", path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return conn, None
+
     @staticmethod
     def events(response):
         """SSE ``data:`` payloads as they arrive (strings; ``[DONE]`` included)."""

@@ -191,6 +191,23 @@ def test_disconnect_mid_stream_frees_blocks(servers):
     assert got.choices[0].finish_reason in ("length", "stop")
 
 
+def test_disconnect_while_waiting_for_a_non_streamed_response_aborts(servers):
+    """A non-streamed request whose client leaves before the answer is aborted too (not run to completion)."""
+    server = servers["plain"]
+    metrics = lambda: _sample(Http(server).get("/metrics")[1], "specdec_requests_finished_total",  # noqa: E731
+                              {"finish_reason": "abort"}, default=0)
+    before = metrics()
+    conn, _ = Http(server).open("/v1/completions", {"model": "tiny", "prompt": "a tin", "max_tokens": 240,
+                                                     "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while not server.engine_state()["unfinished"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    conn.close()  # leave without reading the answer
+    state = server.wait_idle()
+    assert not state["unfinished"] and state["free"] == state["total"], state
+    assert metrics() == before + 1
+
+
 def test_queue_full_answers_503_then_serves(tiny_pair):
     """max_num_seqs 1 + max_waiting 0: a second request while one runs gets 503 with Retry-After."""
     server = ServerThread(tiny_pair[0], max_waiting=0, **{**ENGINE, "max_num_seqs": 1}).start()
@@ -381,9 +398,11 @@ def test_graceful_shutdown_ends_in_flight_streams(tiny_pair):
     assert last is None or "error" in last or last["choices"][0]["finish_reason"] == "length"
 
 
-def _sample(text: str, name: str, labels: dict | None = None) -> float:
+def _sample(text: str, name: str, labels: dict | None = None, default: float | None = None) -> float:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
                 return s.value
+    if default is not None:
+        return default
     raise AssertionError(f"{name} {labels} not in /metrics")
