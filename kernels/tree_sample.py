@@ -61,6 +61,7 @@ treats q(x) = 0). Z_k / M_k is capped at 1e30 (a remaining draft mass below 1e-3
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -344,17 +345,24 @@ def reject_sibling(
     scale: torch.Tensor, excluded: torch.Tensor, token: torch.Tensor, step: torch.Tensor, onehot: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual update after rejecting ``token`` (int64 ``[R]``): A += Z_k / M_k (``step`` fp32 ``[R]``; sampled
-    rows only) and the token joins the excluded set (bool ``[R, V]``). Returns the new (scale, excluded); a named
-    step so tests can plant the "residual not updated" mutants in it."""
+    rows only) and the token joins the rejected siblings (``excluded`` int64 ``[R, S]``, -1 padded, in order).
+    Returns the new (scale, excluded); a named step so tests can plant the "residual not updated" mutants in it."""
     scale = torch.where(onehot, scale, scale + step)
-    excluded = excluded.clone()
-    excluded[torch.arange(token.shape[0], device=token.device), token] = True
-    return scale, excluded
+    slot = (excluded >= 0).sum(dim=-1, keepdim=True)  # (R, 1) first free slot (< S: a node has <= S children)
+    return scale, excluded.scatter(1, slot, token[:, None])
 
 
 def residual_rows(p: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
-    """r = max(p - A q, 0) with the excluded tokens zeroed: fp32 ``[R, V]`` (``scale`` A: fp32 ``[R]``)."""
+    """r = max(p - A q, 0) with the excluded tokens zeroed: fp32 ``[R, V]`` (``scale`` A: fp32 ``[R]``,
+    ``excluded`` bool ``[R, V]``)."""
     return torch.where(excluded, 0.0, torch.clamp(p - scale[:, None] * q, min=0.0))
+
+
+def _excluded_mask(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool ``[R, V]`` from the rejected siblings' tokens int64 ``[R, S]`` (-1 padded)."""
+    mask = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.bool, device=tokens.device)
+    mask.scatter_(1, torch.where(tokens >= 0, tokens, vocab), True)  # padding lands in the spare column
+    return mask[:, :vocab]
 
 
 def tree_sample_reference(
@@ -373,23 +381,29 @@ def tree_sample_reference(
     """Torch reference (the CPU path and the test oracle) of :func:`tree_sample`; same arguments and outputs.
 
     Vectorised over requests: each iteration tests one child per unfinished request (or finishes it), so the loop
-    runs at most max_b(n_b) times. Raises ``ValueError`` on bad shapes/dtypes and bad metadata values.
+    runs at most max_b(n_b) times; rows of the vocabulary are read only for the sums of later siblings and for the
+    final draw. Raises ``ValueError`` on bad shapes/dtypes and bad metadata values.
     """
     _check_inputs(node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs, target_argmax, is_greedy,
                   draft_is_onehot, seeds, positions, max_depth)  # fmt: skip
-    first_child, next_sibling = _tree_links(node_token_ids, node_parents, cu_num_nodes, draft_probs, draft_is_onehot,
-                                            target_probs.shape[1], max_depth)  # fmt: skip
+    links = _tree_links(node_token_ids, node_parents, cu_num_nodes, draft_probs, draft_is_onehot,
+                        target_probs.shape[1], max_depth)  # fmt: skip
     device = target_probs.device
-    first_child, next_sibling = first_child.to(device), next_sibling.to(device)
+    first_child, next_sibling = links.first_child.to(device), links.next_sibling.to(device)
     batch, vocab = seeds.shape[0], target_probs.shape[1]
-    onehot = torch.ones_like(draft_is_onehot) if draft_probs is None else draft_is_onehot
+    # Every node's accept uniform in one Philox call: node at depth d, sibling rank k - 1 -> (position + d - 1, k - 1).
+    request = torch.repeat_interleave(torch.arange(batch, device=device), (cu_num_nodes[1:] - cu_num_nodes[:-1]).long())
+    node_u = philox_uniform(seeds[request], positions[request] + (links.depth.to(device) - 1).clamp(min=0),
+                            STREAM_ACCEPT, links.rank.to(device))  # (M,) fp32; the roots' entries are unused
+    sampled_q = ~is_greedy & (torch.zeros_like(is_greedy) if draft_probs is None else ~draft_is_onehot)  # (B,)
     base = cu_num_nodes[:-1].long()  # (B,) global index of each root
     node = base.clone()  # (B,) global index of the current node
     child = first_child[node]  # (B,) global index of the next child to test, -1: none left
     rank = torch.zeros(batch, dtype=torch.int64, device=device)  # children of `node` rejected so far
     depth = torch.zeros(batch, dtype=torch.int64, device=device)
     scale = torch.zeros(batch, dtype=torch.float32, device=device)  # A_k
-    excluded = torch.zeros(batch, vocab, dtype=torch.bool, device=device)  # rejected children of `node`
+    # the rejected children of `node` (tokens, -1 padded)
+    excluded = torch.full((batch, max(links.max_children, 1)), -1, dtype=torch.int64, device=device)
     out = torch.full((batch, max_depth + 1), -1, dtype=torch.int64, device=device)
     accepted_nodes = torch.full((batch, max_depth), -1, dtype=torch.int32, device=device)
 
@@ -397,20 +411,24 @@ def tree_sample_reference(
         rows = ((child >= 0) & (depth < max_depth)).nonzero().squeeze(1)  # (R,) requests with a child to test
         if rows.numel() == 0:
             break
-        cand, nd, k, d = child[rows], node[rows], rank[rows], depth[rows]
+        cand, nd, k, a = child[rows], node[rows], rank[rows], scale[rows]
         x = node_token_ids[cand]  # (R,)
-        hot = onehot[rows]
-        p = target_probs[nd]  # (R, V)
-        q = torch.zeros_like(p) if draft_probs is None else torch.where(hot[:, None], 0.0, draft_probs[nd])
-        a, ex = scale[rows], excluded[rows]
-        z = torch.where(k > 0, residual_rows(p, q, a, ex).sum(dim=-1), 1.0)  # Z_k (Z_1 = 1)
-        m = torch.where((k > 0) & ~hot, remaining_draft_mass(q, ex), 1.0)  # M_k (M_1 = 1, one-hot 1)
-        p_x = p.gather(1, x[:, None]).squeeze(1)
-        q_x = q.gather(1, x[:, None]).squeeze(1)
+        greedy, has_q = is_greedy[rows], sampled_q[rows]
+        z = torch.ones_like(a)  # Z_k (Z_1 = 1)
+        m = torch.ones_like(a)  # M_k (M_1 = 1; 1 for one-hot children)
+        later = ((k > 0) & ~greedy).nonzero().squeeze(1)  # rows that need the sums over their row
+        if later.numel():
+            p = target_probs[nd[later]]  # (L, V)
+            q = torch.zeros_like(p) if draft_probs is None else _rows_where(draft_probs, nd[later], has_q[later])
+            ex = _excluded_mask(excluded[rows[later]], vocab)
+            z[later] = residual_rows(p, q, a[later], ex).sum(dim=-1)
+            m[later] = torch.where(has_q[later], remaining_draft_mass(q, ex), 1.0)
+        p_x = target_probs[nd, x]
+        q_x = torch.zeros_like(p_x) if draft_probs is None else torch.where(has_q, draft_probs[nd, x], 0.0)
         r_x = torch.clamp(p_x - a * q_x, min=0.0)
-        q_test = torch.where(hot, 1.0, q_x)
-        u = philox_uniform(seeds[rows], positions[rows] + d, STREAM_ACCEPT, k)  # (R,)
-        ok = torch.where(is_greedy[rows], target_argmax[nd] == x, u * q_test * z < r_x * m)
+        q_test = torch.where(has_q, q_x, 1.0)
+        u = node_u[cand]  # (R,)
+        ok = torch.where(greedy, target_argmax[nd] == x, u * q_test * z < r_x * m)
 
         acc, rej = rows[ok], rows[~ok]
         out[acc, depth[acc]] = x[ok]
@@ -420,27 +438,32 @@ def tree_sample_reference(
         child[acc] = first_child[cand[ok]]
         rank[acc] = 0
         scale[acc] = 0.0
-        excluded[acc] = False
+        excluded[acc] = -1
 
         step = torch.where(m > 0, z / torch.where(m > 0, m, 1.0), 0.0).clamp(max=MAX_SIBLING_SCALE)
-        new_scale, new_excluded = reject_sibling(a[~ok], ex[~ok], x[~ok], step[~ok], hot[~ok] | is_greedy[rej])
-        scale[rej], excluded[rej] = new_scale, new_excluded
+        scale[rej], excluded[rej] = reject_sibling(a[~ok], excluded[rej], x[~ok], step[~ok], ~has_q[~ok])
         child[rej] = next_sibling[cand[~ok]]
         rank[rej] += 1
 
-    # One more token per request: the residual after the node's rejected children, or the bonus at a leaf.
-    p = target_probs[node]  # (B, V)
-    q = torch.zeros_like(p)
-    if draft_probs is not None:
-        q = torch.where(((rank > 0) & ~onehot)[:, None], draft_probs[node], q)
-    residual = residual_rows(p, q, scale, excluded)
-    dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
+    # One more token per sampled request: the residual after the node's rejected children, or the bonus at a leaf.
     token = target_argmax[node].clone()  # greedy requests keep the target's argmax
     sampled = (~is_greedy).nonzero().squeeze(1)  # (S,)
+    nd = node[sampled]
+    p = target_probs[nd]  # (S, V)
+    q = torch.zeros_like(p)
+    if draft_probs is not None:
+        q = _rows_where(draft_probs, nd, (rank[sampled] > 0) & sampled_q[sampled])
+    residual = residual_rows(p, q, scale[sampled], _excluded_mask(excluded[sampled], vocab))
+    dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
     noise = row_exponentials(seeds[sampled], positions[sampled] + depth[sampled], STREAM_RESIDUAL, vocab)
-    token[sampled] = (dist[sampled] / noise.to(device)).argmax(dim=-1)
+    token[sampled] = (dist / noise.to(device)).argmax(dim=-1)
     out.scatter_(1, depth[:, None], token[:, None])
     return out, depth.to(torch.int32), accepted_nodes
+
+
+def _rows_where(probs: torch.Tensor, nodes: torch.Tensor, use: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[R, V]``: row ``nodes[i]`` of ``probs`` where ``use[i]``, zeros elsewhere."""
+    return torch.where(use[:, None], probs[nodes], 0.0)
 
 
 # ------------------------------------------------------------------------------------------------- validation
@@ -483,11 +506,21 @@ def _check_inputs(
             raise ValueError(f"{name} must be contiguous (call .contiguous())")
 
 
+class _Links(NamedTuple):
+    """Tree links of every node (global indices, -1 where there is none; int64 ``[M]`` CPU tensors)."""
+
+    first_child: torch.Tensor
+    next_sibling: torch.Tensor
+    depth: torch.Tensor  # root 0
+    rank: torch.Tensor  # sibling rank (0 for a first child and for roots)
+    max_children: int  # the most children of any node
+
+
 def _tree_links(
     node_token_ids, node_parents, cu_num_nodes, draft_probs, draft_is_onehot, vocab: int, max_depth: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> _Links:
     """Check the metadata values (reads them: a host sync on CUDA, so the CUDA launcher skips it) and return
-    ``(first_child, next_sibling)``: int64 ``[M]`` global node indices on the CPU, -1 where there is none.
+    the tree links (:class:`_Links`).
 
     Each request must be a rooted tree in DFS order (``specdec.drafters.tree.check_tree``'s rules), with drafted
     tokens in [0, V), distinct tokens among siblings and no node deeper than ``max_depth``.
@@ -499,13 +532,15 @@ def _tree_links(
     if cu[0] != 0 or cu[-1] != num_nodes or any(b - a < 1 for a, b in zip(cu, cu[1:])):
         raise ValueError("cu_num_nodes must start at 0, grow by >= 1 per request (every tree has a root) and end at "
                          f"len(node_token_ids) = {num_nodes}; got {cu}")  # fmt: skip
-    first_child, next_sibling = [-1] * num_nodes, [-1] * num_nodes
+    first_child, next_sibling, max_children = [-1] * num_nodes, [-1] * num_nodes, 0
+    depth, rank = [0] * num_nodes, [0] * num_nodes
     for b in range(len(cu) - 1):
         base, n = cu[b], cu[b + 1] - cu[b]
         if parents[base] != -1:
             raise ValueError(f"request {b}: node 0 is the root and must have parent -1, got {parents[base]}")
         path = [0]  # local nodes from the root to the previous node
         last_child: dict[int, int] = {}
+        num_children: dict[int, int] = {}
         sibling_tokens: set[tuple[int, int]] = set()
         for i in range(1, n):
             parent, token = parents[base + i], tokens[base + i]
@@ -530,4 +565,9 @@ def _tree_links(
             else:
                 first_child[base + parent] = base + i
             last_child[parent] = i
-    return torch.tensor(first_child, dtype=torch.int64), torch.tensor(next_sibling, dtype=torch.int64)
+            rank[base + i] = num_children.get(parent, 0)
+            depth[base + i] = len(path) - 1
+            num_children[parent] = rank[base + i] + 1
+            max_children = max(max_children, num_children[parent])
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    return _Links(as_tensor(first_child), as_tensor(next_sibling), as_tensor(depth), as_tensor(rank), max_children)
