@@ -337,6 +337,31 @@ def test_all_zero_residual_falls_back_to_p(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_later_sibling_outside_the_draft_support(device):
+    """A drafter error: q is one-hot at the first child, so the second child has q = 0 and no draft mass is left
+    (M_2 = 0). Nothing may divide by zero or produce NaN: the second child is rejected, A stays finite, and the
+    emitted token comes from the residual (kernel == reference, a token of p's support)."""
+    vocab, batch = 12, 16
+    parents = [-1, 0, 0]
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(3 * batch, vocab, generator=gen), -1)
+    q = onehot_rows([0, 0, 0] * batch, vocab)  # the root's q: all mass on token 0
+    args = {
+        "node_token_ids": torch.tensor([5, 0, 1] * batch),
+        "node_parents": torch.tensor(parents * batch, dtype=torch.int32),
+        "cu_num_nodes": make_cu([3] * batch), "draft_probs": q, "target_probs": p, "target_argmax": p.argmax(-1),
+        "is_greedy": torch.zeros(batch, dtype=torch.bool), "draft_is_onehot": torch.zeros(batch, dtype=torch.bool),
+        "seeds": torch.arange(batch) * 31, "positions": torch.arange(batch) * 3, "max_depth": 1,
+    }  # fmt: skip
+    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    kernel, reference = run_both(args)
+    assert_same(kernel, reference)
+    out, acc, nodes = (t.cpu() for t in reference)
+    assert (nodes[:, 0] != 2).all(), "a child with q = 0 and no draft mass left must not be accepted"
+    assert (acc == 0).any() and ((out[:, 0] >= 0) & (out[:, 0] < vocab)).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_seeded_determinism_and_batch_independence(device):
     trees = SHAPES[1:] + SHAPES[1:]
     args = random_tree_batch(trees, 23, seed=4, kinds=["sampled", "onehot"] * 4, device=device)
