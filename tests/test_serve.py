@@ -208,6 +208,31 @@ def test_disconnect_while_waiting_for_a_non_streamed_response_aborts(servers):
     assert metrics() == before + 1
 
 
+def test_idle_loop_does_not_step(servers):
+    """With nothing to do the engine loop blocks on its command queue: no step runs until a request arrives."""
+    server = servers["plain"]
+    server.wait_idle()
+    engine = server.llm.engine
+    calls = []
+    step = engine.step
+
+    def counting_step():
+        calls.append(1)
+        return step()
+
+    server.async_engine.call_sync(lambda e: setattr(e, "step", counting_step))
+    try:
+        time.sleep(0.3)
+        assert calls == []
+        server.client().completions.create(model="tiny", prompt="the", max_tokens=3, temperature=0)
+        assert 1 <= len(calls) <= 4 + 1  # prefill + decodes (+ at most one flush of an abort)
+        n = len(calls)
+        time.sleep(0.3)
+        assert len(calls) == n
+    finally:
+        server.async_engine.call_sync(lambda e: e.__dict__.pop("step", None))
+
+
 def test_queue_full_answers_503_then_serves(tiny_pair):
     """max_num_seqs 1 + max_waiting 0: a second request while one runs gets 503 with Retry-After."""
     server = ServerThread(tiny_pair[0], max_waiting=0, **{**ENGINE, "max_num_seqs": 1}).start()
