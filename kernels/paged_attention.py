@@ -36,7 +36,7 @@ def _attend_tile(
     acc, m_i, l_i,  # running state: fp32 [BLOCK_M, HEAD_DIM_PAD], [BLOCK_M], [BLOCK_M]
     q,  # [BLOCK_M, HEAD_DIM_PAD]
     t,  # KV tile: keys t * BLOCK_N + [0, BLOCK_N)
-    kv_end, prefix, q_idx, has_tree, mask_seq_ptr, mask_rows,
+    kv_end, prefix, q_idx, has_tree, tree_start, mask_seq_ptr, mask_rows,
     bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
     offs_d, d_ok, scale_log2,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -57,7 +57,7 @@ def _attend_tile(
     if MASKED:
         causal = pos[None, :] <= (prefix + q_idx)[:, None]  # implies pos < kv_end on real rows
         if TREE:
-            j = pos - prefix  # index among the new tokens; < 0 in the context prefix
+            j = pos - tree_start  # column of the mask (the last w keys); < 0 in the context before them
             # NOTE: tl.where, not `vector & scalar` (rejected by triton 3.9); no mask byte is read when causal.
             in_tree = tl.where(has_tree, pos_ok & (j >= 0), False)
             tm = tl.load(mask_seq_ptr + (mask_rows[:, None] + j[None, :]), mask=in_tree[None, :], other=0)
@@ -166,13 +166,17 @@ def _paged_attention_kernel(
     unmasked_end = prefix + q_tile * BLOCK_Q + 1
     if TREE:
         mask_start = tl.load(tree_mask_indptr_ptr + seq)
-        has_tree = tl.load(tree_mask_indptr_ptr + seq + 1) > mask_start  # an empty slice: causal
+        mask_len = tl.load(tree_mask_indptr_ptr + seq + 1) - mask_start
+        has_tree = mask_len > 0  # an empty slice: causal
+        width = mask_len // q_len  # the mask covers the last `width` keys (>= q_len: earlier tree nodes too)
+        tree_start = ctx_len - width
         kv_end = tl.where(has_tree, ctx_len, kv_end)
-        unmasked_end = tl.where(has_tree, prefix, unmasked_end)
+        unmasked_end = tl.where(has_tree, tree_start, unmasked_end)
         mask_seq_ptr = tree_mask_ptr + mask_start.to(tl.int64)
-        mask_rows = q_row * q_len  # [BLOCK_M] int32 offsets of each row's mask in mask_seq_ptr
+        mask_rows = q_row * width  # [BLOCK_M] int32 offsets of each row's mask in mask_seq_ptr
     else:
         has_tree = False  # unused
+        tree_start = prefix  # unused
         mask_seq_ptr = tree_mask_ptr  # unused
         mask_rows = q_idx  # unused
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
@@ -193,7 +197,7 @@ def _paged_attention_kernel(
     # the keys past kv_end.
     for t in range(tile_lo, tl.minimum(tile_hi, num_unmasked_tiles)):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, has_tree, mask_seq_ptr, mask_rows,
+            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, has_tree, tree_start, mask_seq_ptr, mask_rows,
             bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N, TREE, False, DOT_F32, DOT_PRECISION,
         )  # fmt: skip
@@ -201,7 +205,7 @@ def _paged_attention_kernel(
     masked_hi = tl.minimum(tile_hi * SUB, tl.cdiv(kv_end, BLOCK_N_MASKED))
     for t in range(tl.maximum(tile_lo, num_unmasked_tiles) * SUB, masked_hi):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, has_tree, mask_seq_ptr, mask_rows,
+            acc, m_i, l_i, q, t, kv_end, prefix, q_idx, has_tree, tree_start, mask_seq_ptr, mask_rows,
             bt_row, k_head_ptr, v_head_ptr, stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok,
             offs_d, d_ok, scale_log2, BLOCK_SIZE, BLOCK_N_MASKED, TREE, True, DOT_F32, DOT_PRECISION,
         )  # fmt: skip
@@ -489,11 +493,14 @@ def paged_attention(
         seq_lens: int32 ``[B]`` context length per sequence, new tokens included (``q_len <= seq_len``).
         cu_q_lens: int32 ``[B+1]`` cumulative new-token counts, ``cu_q_lens[B] == T``; ``q_len == 0`` allowed.
         scale: softmax scale, usually ``D ** -0.5``.
-        tree_mask: optional bool/uint8, contiguous 1-d: packed row-major ``[q_len, q_len]`` masks: new token i sees
-            new token j iff ``mask[i, j]`` (and always the context prefix). Default: causal.
+        tree_mask: optional bool/uint8, contiguous 1-d: packed row-major ``[q_len, w]`` masks over each sequence's
+            last ``w >= q_len`` keys (the new tokens are the last q_len of them): new token i sees key
+            ``seq_len - w + j`` iff ``mask[i, j]``, and always the context before those w keys. Default: causal.
         tree_mask_indptr: int32 ``[B+1]`` offsets of each sequence's mask in ``tree_mask`` (with ``tree_mask``).
             Sequence b's slice ``tree_mask[indptr[b]:indptr[b+1]]`` is either empty - b is causal, as without a
-            mask (a prefill chunk or chain in a tree batch costs no mask bytes) - or exactly ``q_len_b ** 2``.
+            mask (a prefill chunk or chain in a tree batch costs no mask bytes) - or ``q_len_b * w_b`` entries,
+            ``q_len_b <= w_b <= seq_len_b`` (``w_b = q_len_b``: a square mask over the new tokens; larger: a draft
+            model's tree level also masking the tree nodes cached by earlier levels).
         num_splits: KV splits per (q tile, KV head) program, merged by a second kernel (flash-decoding);
             default from :func:`num_kv_splits`. A tuning/testing knob, not part of the attention contract.
     Returns:
@@ -587,12 +594,15 @@ def _check_values(q, k_cache, block_tables, seq_lens, cu_q_lens, tree_mask, tree
         raise ValueError(f"block_tables holds ids outside [0, {num_blocks}) in the blocks that seq_lens uses")
     if tree_mask is not None:
         sizes = (tree_mask_indptr[1:] - tree_mask_indptr[:-1]).long()  # [B]
-        squares = q_lens.long() ** 2
-        bad = ((sizes != 0) & (sizes != squares)).nonzero().flatten().tolist()
+        ql = q_lens.long()
+        width = sizes // ql.clamp(min=1)  # keys each mask covers
+        ok = (sizes == 0) | ((ql > 0) & (sizes == ql * width) & (width >= ql) & (width <= seq_lens.long()))
+        bad = (~ok).nonzero().flatten().tolist()
         if bad:
             b = bad[0]
             raise ValueError(f"sequence {b}'s tree mask slice (tree_mask_indptr[{b}:{b + 2}]) has {int(sizes[b])} "
-                             f"entries; it must be empty (causal) or q_len ** 2 = {int(squares[b])}")
+                             f"entries; it must be empty (causal) or q_len * w with q_len = {int(ql[b])} <= w <= "
+                             f"seq_len = {int(seq_lens[b])} (a [q_len, w] mask over the last w keys)")
         if int(tree_mask_indptr[0]) < 0 or int(tree_mask_indptr[-1]) > tree_mask.numel():
             raise ValueError(f"tree_mask_indptr must rise from >= 0 to <= tree_mask's {tree_mask.numel()} entries: "
                              f"every mask slice must lie within tree_mask")

@@ -44,11 +44,13 @@ def paged_attention_reference(
         cu_q_lens: int32 ``[B+1]`` cumulative new-token counts; sequence b owns q rows
             ``cu_q_lens[b]:cu_q_lens[b+1]``, which are its last ``q_len`` context positions.
         scale: softmax scale, usually ``D ** -0.5``.
-        tree_mask: optional bool/uint8 packed per-sequence masks, row-major ``[q_len, q_len]`` each: new token i
-            sees new token j iff ``mask[i, j]``. Without it the new tokens are causal.
+        tree_mask: optional bool/uint8 packed per-sequence masks, row-major ``[q_len, w]`` each over the sequence's
+            last ``w >= q_len`` keys: new token i sees key ``seq_len - w + j`` iff ``mask[i, j]``, and always the
+            context before them. Without it the new tokens are causal.
         tree_mask_indptr: int32 ``[B+1]`` offsets of each sequence's mask in ``tree_mask``. A sequence's slice
             ``tree_mask[indptr[b]:indptr[b+1]]`` is either empty - that sequence is causal, as without a mask
-            (prefill chunks, chains, decodes in a tree batch) - or exactly ``q_len_b ** 2`` entries.
+            (prefill chunks, chains, decodes in a tree batch) - or ``q_len_b * w_b`` entries,
+            ``q_len_b <= w_b <= seq_len_b``.
     Returns:
         ``[T, Hq, D]`` in q's dtype (computed in fp32).
     """
@@ -149,9 +151,10 @@ def _window_plan(seqs, q_lens, cu, seq_lens_l, block_tables, tree_mask, tree_mas
     if tree_mask is not None:
         indptr = tree_mask_indptr.tolist()
         for j, b in enumerate(seqs):
-            ql, prefix, m0 = qls[j], lens[j] - qls[j], indptr[b]
+            ql, m0 = qls[j], indptr[b]
             if indptr[b + 1] > m0:  # an empty slice keeps the causal rows built above
-                visible[j, :ql, prefix : prefix + ql] = tree_mask[m0 : m0 + ql * ql].view(ql, ql).bool()
+                w = (indptr[b + 1] - m0) // ql  # the mask covers the last w keys
+                visible[j, :ql, lens[j] - w : lens[j]] = tree_mask[m0 : m0 + ql * w].view(ql, w).bool()
     return _Windows(rows, seq_of_row, pos_in_seq, blocks, max_len, max_q, visible[:, None])
 
 
@@ -162,7 +165,8 @@ def _causal_or_tree(b, q_len, ctx, tree_mask, tree_mask_indptr, device) -> torch
     visible = torch.ones(q_len, ctx, dtype=torch.bool, device=device)
     m0 = int(tree_mask_indptr[b]) if tree_mask is not None else 0
     if tree_mask is not None and int(tree_mask_indptr[b + 1]) > m0:
-        visible[:, prefix:] = tree_mask[m0 : m0 + q_len * q_len].view(q_len, q_len).bool()
+        w = (int(tree_mask_indptr[b + 1]) - m0) // q_len  # the mask covers the last w keys
+        visible[:, ctx - w :] = tree_mask[m0 : m0 + q_len * w].view(q_len, w).bool()
     else:
         visible[:, prefix:] = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
     return visible

@@ -200,8 +200,32 @@ def test_a_mask_slice_must_be_empty_or_q_len_squared():
     indptr[2:] += 1  # sequence 1 (a chain of 5) now has a 1-entry slice
     mask = torch.cat([mask, torch.zeros(1, dtype=torch.bool)])
     with pytest.raises(ValueError, match=r"sequence 1's tree mask slice .* has 1 entries; it must be empty \(causal\) "
-                                         r"or q_len \*\* 2 = 25"):  # fmt: skip
+                                         r"or q_len \* w with q_len = 5 <= w <= seq_len = 14"):  # fmt: skip
         paged_attention(q, *cache_args, D**-0.5, mask, indptr)
     mask, indptr = _empty_or_tree(trees)
     with pytest.raises(ValueError, match="must lie within tree_mask"):
         paged_attention(q, *cache_args, D**-0.5, mask[:-1], indptr)
+
+
+# ------------------------------------------------------------- (c) a mask wider than the new tokens (draft levels)
+
+
+@pytest.mark.parametrize("new", [1, 3, 6])
+def test_a_wide_mask_over_cached_tree_nodes_equals_the_square_window(attention, new):
+    """A draft model's tree level feeds only its new nodes, masking the last w keys: the tree's nodes cached by
+    earlier levels and the new ones. Its rows must equal the same nodes' rows when the whole tree is fed at once
+    with the square mask (the nodes' K/V identical in both)."""
+    rng, gen = random.Random(new), torch.Generator().manual_seed(new)
+    tree = random_tree(11, rng)
+    ctx, w = 6, 11  # context before the tree (root included in the tree here), tree nodes
+    k, v = _randn(gen, ctx + w, HKV, D), _randn(gen, ctx + w, HKV, D)
+    q_all = _randn(gen, w, HQ, D)
+    full = attention(q_all, *paged_batch([(k, v)], [w], seed=new), D**-0.5, *_packed([tree.mask().flatten()]))
+    wide = tree.mask()[w - new :].contiguous()  # [new, w]: the last `new` nodes over all w tree keys
+    out = attention(q_all[w - new :].contiguous(), *paged_batch([(k, v)], [new], seed=new), D**-0.5,
+                    *_packed([wide.flatten()]))
+    torch.testing.assert_close(out, full[w - new :], atol=ATOL, rtol=RTOL)
+    # a slice whose width exceeds seq_len, or is not a multiple of q_len, is refused
+    with pytest.raises(ValueError, match="q_len \\* w"):
+        paged_attention(q_all[w - new :].contiguous(), *paged_batch([(k, v)], [new], seed=new), D**-0.5,
+                        *_packed([torch.ones(new * (ctx + w + 1), dtype=torch.bool)]))
