@@ -134,3 +134,21 @@ def test_random_tree_rounds_leak_nothing(tiny_pair):
         assert steps < 500
     assert engine.stats.get("failed_requests", 0) == 0
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_k=30, max_tokens=30, ignore_eos=True, seed=3),
+])
+def test_self_speculation_with_trees_accepts_every_level(tiny_pair, params):
+    """Draft = target: the first child at every node is what the target would emit (greedy: its argmax; sampled:
+    p = q accepts the first child surely), so every round accepts the full depth - which also holds only if
+    the draft's cache was compacted correctly after each round (a stale or misplaced K/V changes its q)."""
+    target = tiny_pair[0]
+    llm = tree_llm(target, SpeculativeConfig(draft_model=target, num_speculative_tokens=3, tree=[2, 2, 1]),
+                   enable_prefix_caching=False)
+    outs = llm.generate(prompt_token_ids=prompts(3, seed=13), sampling_params=params)
+    for o in outs:
+        m = o.metrics
+        assert m["num_rounds"] > 0 and m["accepted"] == m["drafted"], m
+    assert_no_leak(llm)

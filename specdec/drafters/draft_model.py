@@ -43,6 +43,8 @@ class DraftModelDrafter:
         self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
         self.on_forward = None  # optional callback (batch_size, seconds) per draft forward, for the cost model
         self.tree_shape: TreeShape | None = None  # how propose_tree grows trees (set by the SpeculativeDecoder)
+        # seq id -> {tree node (DFS index) -> its position in the draft cache}, for the nodes fed this round
+        self.tree_positions: dict[int, dict[int, int]] = {}
         # Key draft j's noise by (round start, j) instead of its position: block verification looks at drafts
         # beyond those it emits, so the next round must not redraw them with the same noise (kernels/block_verify.py)
         self.noise_per_round = False
@@ -168,3 +170,4 @@ class DraftModelDrafter:
 
     def free(self, seq: Sequence) -> None:
         self.kv_len.pop(seq.seq_id, None)
+        self.tree_positions.pop(seq.seq_id, None)

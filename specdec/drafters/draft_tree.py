@@ -16,8 +16,10 @@ what keeps stochastic tree verification lossless (docs/architecture.md, "Token t
 fed to the draft (except at the last depth), each attending the context and its ancestors: the draft cache
 holds the tree's nodes level by level after the root, and the tree mask spans those ``w`` positions.
 
-After verification the engine keeps the draft's cache up to the root (``kv_len = num_tokens``); the accepted
-path and the bonus token are fed by the next round's catch-up forward (the draft pool is not compacted).
+After verification the engine compacts the accepted path's K/V in the draft pool too, as in the target's: the
+drafter records where each fed node sits (``DraftModelDrafter.tree_positions``), the path's fed prefix moves to
+``ctx + 1 ..`` and the draft's valid length grows by it; only the path's last node (never fed when it is a
+leaf at the depth cap) and the bonus token are left to the next catch-up forward.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ def _proposal(drafter, seqs: list[Sequence], grows: list[_Growing]) -> DraftProp
     """Re-number every tree in DFS order and lay out q per node (rows of the target vocabulary, zero-padded)."""
     trees, q_lists = [], []
     for g in grows:
+        drafter.tree_positions[g.seq.seq_id] = {}
         kids: list[list[int]] = [[] for _ in g.tokens]
         for node in range(1, len(g.tokens)):
             kids[g.parents[node]].append(node)
@@ -215,6 +218,8 @@ def _proposal(drafter, seqs: list[Sequence], grows: list[_Growing]) -> DraftProp
             order.append(node)
             stack.extend(reversed(kids[node]))
         new_index = {old: new for new, old in enumerate(order)}
+        # draft-cache position of every fed node, by its DFS index (the root sits at num_tokens - 1)
+        drafter.tree_positions[g.seq.seq_id] = {new_index[node]: g.seq.num_tokens + j for j, node in enumerate(g.fed)}
         trees.append(DraftTree(tuple(g.tokens[o] for o in order),
                                tuple(-1 if o == 0 else new_index[g.parents[o]] for o in order)))
         q_lists.append([g.q_rows.get(o) for o in order])

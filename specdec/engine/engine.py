@@ -44,6 +44,7 @@ class LLMEngine:
             self.scheduler = Scheduler(pools, config.max_num_seqs, config.max_num_batched_tokens,
                                        lookahead=self.speculative.lookahead)
             self.scheduler.on_free.append(self.speculative.free)
+            self.speculative.target_pool = self.pool  # tree rounds compact the accepted path's K/V in it
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}

@@ -47,6 +47,7 @@ class SpeculativeDecoder:
                   if spec.method == "prompt_lookup" or (spec.method == "combined" and
                                                         spec.combined_lookup == "prompt_lookup")
                   else NgramDrafter(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window))
+        self._model_drafter = model_drafter
         if spec.method == "draft_model":
             self.drafter = model_drafter
         elif spec.method == "combined":
@@ -155,19 +156,44 @@ class SpeculativeDecoder:
         result = verify(logits, drafts.seqs, drafts.proposal, method=self.spec.verify)
         return {s.seq_id: (e, a, None) for s, e, a in zip(drafts.seqs, result.emitted, result.num_accepted)}
 
-    def commit_round(self, seq: Sequence, drafted: int, accepted: int, target_block_manager: BlockManager,
-                     accepted_nodes: list[int] | None = None) -> None:
+    def compact_trees(self, drafts: Drafts, verified: dict[int, tuple[list[int], int, list[int] | None]],
+                      target_block_manager: BlockManager) -> None:
+        """Move every tree's accepted path to contiguous positions after its root - in the target pool (node i was
+        written at ``ctx + i``) and in the draft pool (the fed nodes sit level by level after the root) - with
+        one ``ops.kv_compact`` per pool for the whole batch, and let the draft's valid length cover the moved
+        prefix. Only positions beyond each request's committed KV are written (garbage until the commit), so a
+        step that fails after this is still undone by ``undo_step``."""
+        if drafts.trees is None:
+            return
+        target_src, target_dst, draft_src, draft_dst = [], [], [], []
+        model = self._model_drafter
+        for seq in drafts.seqs:
+            _, _, nodes = verified[seq.seq_id]
+            ctx = seq.num_computed  # the root's position
+            src, dst = compaction_slots(target_block_manager, seq.seq_id, ctx, nodes)
+            target_src += src
+            target_dst += dst
+            fed = model.tree_positions.pop(seq.seq_id, None) if model is not None else None
+            if not fed:
+                continue
+            kept = 0
+            for depth, node in enumerate(nodes, start=1):
+                if node not in fed:
+                    break  # a fed node's ancestors are fed: the path's fed nodes are a prefix of it
+                if fed[node] != ctx + depth:
+                    draft_src.append(self.block_manager.slot(seq.seq_id, fed[node]))
+                    draft_dst.append(self.block_manager.slot(seq.seq_id, ctx + depth))
+                kept = depth
+            model.kv_len[seq.seq_id] = ctx + 1 + kept
+        _compact(self.target_pool, target_src, target_dst)
+        if model is not None:
+            _compact(model.runner.pool, draft_src, draft_dst)
+
+    def commit_round(self, seq: Sequence, drafted: int, accepted: int, target_block_manager: BlockManager) -> None:
         """Apply a verified round to the state outside the request: metrics, adaptive k, and the rollback -
         keep K/V of the last token and the accepted drafts (``seq.num_computed``, already committed), free
-        whole blocks beyond it in both pools, and drop draft state beyond it. A tree round first moves the
-        accepted path's K/V (written at its nodes' DFS slots) to contiguous positions in the target's pool."""
-        if accepted_nodes is not None:
-            ctx = seq.num_computed - 1 - accepted  # the root's position
-            src, dst = compaction_slots(target_block_manager, seq.seq_id, ctx, accepted_nodes)
-            if src:
-                device = self.target_pool.tensors[0].device
-                ops.kv_compact(self.target_pool.tensors, torch.tensor(src, dtype=torch.int64, device=device),
-                               torch.tensor(dst, dtype=torch.int64, device=device))
+        whole blocks beyond it in both pools, and drop draft state beyond it. (A tree round's accepted path was
+        already made contiguous by ``compact_trees``.)"""
         self._record(seq, drafted, accepted)
         if self.adaptive is not None:
             self.adaptive.observe(seq.seq_id, drafted, accepted)
@@ -190,6 +216,13 @@ class SpeculativeDecoder:
         for i in range(drafted):
             m.drafted_per_position[i] += 1
             m.accepted_per_position[i] += i < accepted
+
+
+def _compact(pool: KVPool, src: list[int], dst: list[int]) -> None:
+    if src:
+        device = pool.tensors[0].device
+        ops.kv_compact(pool.tensors, torch.tensor(src, dtype=torch.int64, device=device),
+                       torch.tensor(dst, dtype=torch.int64, device=device))
 
 
 def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:

@@ -76,6 +76,8 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
         row += item.num_logits
     sampled = sample_plain(logits[plain_rows], plain_seqs)
     verified = spec.verify(logits[spec_rows], drafts) if drafts and drafts.seqs else {}
+    if verified and drafts.trees is not None:
+        spec.compact_trees(drafts, verified, runner.block_manager)  # accepted paths -> contiguous K/V
 
     updates = []
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
