@@ -335,6 +335,13 @@ def tree_sample(
 # -------------------------------------------------------------------------------------------------- reference
 
 
+def accept_uniforms(seeds: torch.Tensor, positions: torch.Tensor, depth: torch.Tensor, rank: torch.Tensor):
+    """Every node's accept uniform in one Philox call (fp32 ``[M]``; the roots' entries are unused): the node at
+    depth d with sibling rank k - 1 draws philox(seed, position + d - 1, STREAM_ACCEPT, k - 1). All int64 ``[M]``
+    (each node's request seed and depth-1 position); a named step so tests can plant a wrongly keyed mutant."""
+    return philox_uniform(seeds, positions + (depth - 1).clamp(min=0), STREAM_ACCEPT, rank)
+
+
 def remaining_draft_mass(q: torch.Tensor, excluded: torch.Tensor) -> torch.Tensor:
     """M_k = sum of q off the rejected siblings: fp32 ``[R]`` from q ``[R, V]`` and excluded bool ``[R, V]``
     (a named step so tests can plant the "q_k not renormalised" mutant in it)."""
@@ -391,10 +398,8 @@ def tree_sample_reference(
     device = target_probs.device
     first_child, next_sibling = links.first_child.to(device), links.next_sibling.to(device)
     batch, vocab = seeds.shape[0], target_probs.shape[1]
-    # Every node's accept uniform in one Philox call: node at depth d, sibling rank k - 1 -> (position + d - 1, k - 1).
     request = torch.repeat_interleave(torch.arange(batch, device=device), (cu_num_nodes[1:] - cu_num_nodes[:-1]).long())
-    node_u = philox_uniform(seeds[request], positions[request] + (links.depth.to(device) - 1).clamp(min=0),
-                            STREAM_ACCEPT, links.rank.to(device))  # (M,) fp32; the roots' entries are unused
+    node_u = accept_uniforms(seeds[request], positions[request], links.depth.to(device), links.rank.to(device))
     sampled_q = ~is_greedy & (torch.zeros_like(is_greedy) if draft_probs is None else ~draft_is_onehot)  # (B,)
     base = cu_num_nodes[:-1].long()  # (B,) global index of each root
     node = base.clone()  # (B,) global index of the current node

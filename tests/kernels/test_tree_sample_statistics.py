@@ -1,10 +1,10 @@
 """Losslessness of tree verification: an exact enumerated oracle, and a Monte-Carlo test of the implementation.
 
 Model: a tiny context-dependent "language model" over a vocabulary of 4. ``P[ctx]`` (target, some contexts with a
-token filtered out: p = 0 there) and ``Q[ctx]`` (draft, full support) for every context of length <= 3; a one-hot
-drafter proposes ``GUESS[ctx]``, a fixed order of all tokens (so its children may lie outside p's support).
-Every round starts at the empty context (the root) and its output is continued with the target up to
-``depth + 1`` tokens; lossless means the joint of those tokens is prod_i P[t_<i](t_i).
+token filtered out: p = 0 there) and ``Q[ctx]`` (draft, full support) for every context of length <= 5 (two rounds
+of depth-2 trees); a one-hot drafter proposes ``GUESS[ctx]``, a fixed order of all tokens (so its children may lie
+outside p's support). A single round starts at the empty context (the root) and its output is continued with the
+target up to ``depth + 1`` tokens; lossless means the joint of those tokens is prod_i P[t_<i](t_i).
 
 1. Exact: ``oracle_round`` enumerates every draw of the tree (children drawn without replacement from Q, each
    ordered draw with its probability, or the one-hot guesses) and every accept/reject outcome of the algorithm with
@@ -15,7 +15,11 @@ Every round starts at the empty context (the root) and its output is continued w
    tokens are continued with torch's sampler. Pearson's chi-square against the exact target joint, cells with
    expected count < 20 pooled, bound at alpha = 1e-6 split over the tables of the test (Bonferroni). Every run is
    seeded, so it always passes or always fails. The kernel is checked token for token against the reference on
-   the first requests of every correct run (so the statistics carry over to it).
+   the first requests of the correct depth-2 runs (so the statistics carry over to it).
+3. Two rounds: the second round starts right after the first's tokens (drafts and uniforms keyed by depth from
+   its own start), and the first 4 tokens must follow the target: no draw that decided round 1 is reused by
+   round 2 (``docs/kernels.md``, "Tree verification", randomness). A second round starting one position early (an
+   engine off-by-one that reuses round 1's last draws) must be rejected by the same chi-square.
 
 Planted mutants, each rejected by the same check as the correct algorithm passes (exact and Monte-Carlo):
   (a) the residual not updated between siblings (sampled children);
@@ -38,7 +42,7 @@ from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
 from specdec.kernels.tree_sample import tree_sample, tree_sample_reference
 
 VOCAB = 4
-MAX_CTX = 3
+MAX_CTX = 5  # two rounds of depth-2 trees: a round-2 node sees up to 3 + 2 tokens
 # Tree shapes as nested lists: a node is the list of its children's shapes (siblings in drawing order).
 SHAPES = {
     "root-3-children": [[], [], []],
@@ -200,8 +204,9 @@ def flatten_shape(shape) -> list[int]:
     return parents
 
 
-def draw_trees(model, parents: list[int], kind: str, seeds: torch.Tensor, positions: torch.Tensor):
-    """Tokens ``[N, n + 1]`` and context row of each node ``[N, n + 1]``, drawn like a drafter: a node's children
+def draw_trees(model, parents: list[int], kind: str, seeds, positions, root_ctx):
+    """Tokens ``[N, n + 1]`` and context row of each node ``[N, n + 1]`` from the roots' context rows ``root_ctx``
+    ``[N]`` and depth-1 positions ``[N]``, drawn like a drafter: a node's children
     are the top-m of Q[ctx] / E (Gumbel-top-k = sampling without replacement), E from Philox STREAM_DRAFT at the
     children's position (shared by all nodes of a depth), or the first m guesses (one-hot)."""
     rows, n = seeds.shape[0], len(parents)
@@ -210,7 +215,8 @@ def draw_trees(model, parents: list[int], kind: str, seeds: torch.Tensor, positi
         depths[i] = depths[parents[i]] + 1
     index_of = model["child_rows"]
     tokens = torch.zeros(rows, n, dtype=torch.int64)
-    ctx = torch.zeros(rows, n, dtype=torch.int64)  # the root's context is () = row 0
+    ctx = torch.zeros(rows, n, dtype=torch.int64)
+    ctx[:, 0] = root_ctx
     for node in range(n):
         kids = [i for i in range(n) if parents[i] == node]
         if not kids:
@@ -226,12 +232,18 @@ def draw_trees(model, parents: list[int], kind: str, seeds: torch.Tensor, positi
     return tokens, ctx, index_of
 
 
-def mc_inputs(model, shape, kind: str, num: int, seed: int):
-    parents = flatten_shape(shape)
+def request_keys(num: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seeds, first positions) int64 ``[num]`` of independent requests."""
     gen = torch.Generator().manual_seed(seed)
-    seeds = torch.randint(-(2**62), 2**62, (num,), generator=gen)
-    positions = torch.randint(0, 1 << 20, (num,), generator=gen)
-    tokens, ctx, index_of = draw_trees(model, parents, kind, seeds, positions)
+    return torch.randint(-(2**62), 2**62, (num,), generator=gen), torch.randint(0, 1 << 20, (num,), generator=gen)
+
+
+def mc_inputs(model, shape, kind: str, seeds, positions, root_ctx=None):
+    """tree_sample's inputs for one round of every request (root context () unless ``root_ctx`` rows are given)."""
+    parents = flatten_shape(shape)
+    num = seeds.shape[0]
+    root_ctx = torch.zeros(num, dtype=torch.int64) if root_ctx is None else root_ctx
+    tokens, ctx, index_of = draw_trees(model, parents, kind, seeds, positions, root_ctx)
     n = len(parents)
     args = {
         "node_token_ids": tokens.flatten(),
@@ -249,11 +261,11 @@ def mc_inputs(model, shape, kind: str, num: int, seed: int):
     return args, index_of
 
 
-def continue_with_target(model, out, accepted, index_of, length: int, seed: int) -> torch.Tensor:
-    """Full sequences ``[N, length]``: each request's emitted tokens, then tokens sampled from the target."""
+def continue_with_target(model, out, emitted, index_of, length: int, seed: int) -> torch.Tensor:
+    """Full sequences ``[N, length]``: each request's ``emitted`` first tokens of ``out``, then tokens sampled
+    from the target."""
     gen = torch.Generator().manual_seed(seed)
     seqs = out[:, :length].clone()
-    emitted = accepted.long() + 1
     ctx = torch.zeros(out.shape[0], dtype=torch.int64)
     for i in range(length):
         fresh = i >= emitted
@@ -278,10 +290,20 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     return float(((obs - exp) ** 2 / exp).sum()), max(int(obs.numel()) - 1, 1)
 
 
+def joint_chi_square(model, seqs: torch.Tensor) -> tuple[float, int]:
+    """Chi-square of the sequences ``[N, L]`` against the target's exact joint of L tokens."""
+    length = seqs.shape[1]
+    cells = (seqs * VOCAB ** torch.arange(length - 1, -1, -1)).sum(-1)
+    counts = torch.bincount(cells, minlength=VOCAB**length)
+    target = target_joint(model, length)
+    probs = torch.tensor([target[seq] for seq in itertools.product(range(VOCAB), repeat=length)])
+    return chi_square(counts, probs)
+
+
 def mc_statistic(model, shape_name: str, kind: str, num: int, seed: int, check_kernel: bool = False):
     """(chi-square, degrees of freedom, fraction of rounds that accepted >= 1 later sibling or rejected all)."""
     shape = SHAPES[shape_name]
-    args, index_of = mc_inputs(model, shape, kind, num, seed)
+    args, index_of = mc_inputs(model, shape, kind, *request_keys(num, seed))
     out, accepted, nodes = tree_sample_reference(**args)
     if check_kernel:
         sub = {**args, "cu_num_nodes": args["cu_num_nodes"][: N_KERNEL + 1],
@@ -294,12 +316,8 @@ def mc_statistic(model, shape_name: str, kind: str, num: int, seed: int, check_k
         for name, a, b in zip(("tokens", "accepted", "nodes"), kernel, (out, accepted, nodes)):
             assert torch.equal(a, b[:N_KERNEL]), f"kernel != reference ({name}) on {shape_name} {kind}"
     length = depth_of(shape) + 1
-    seqs = continue_with_target(model, out, accepted, index_of, length, seed + 1)
-    cells = (seqs * VOCAB ** torch.arange(length - 1, -1, -1)).sum(-1)
-    counts = torch.bincount(cells, minlength=VOCAB**length)
-    target = target_joint(model, length)
-    probs = torch.tensor([target[seq] for seq in itertools.product(range(VOCAB), repeat=length)])
-    stat, df = chi_square(counts, probs)
+    seqs = continue_with_target(model, out, accepted.long() + 1, index_of, length, seed + 1)
+    stat, df = joint_chi_square(model, seqs)
     later = (nodes[:, 0] > 1).float().mean().item()  # the root's accepted child was not its first
     return stat, df, later, (accepted == 0).float().mean().item()
 
@@ -346,3 +364,46 @@ def test_monte_carlo_rejects_planted_mutants(model, mutant, monkeypatch):
         results.append((shape, stat, chi2_isf(ALPHA / len(MC_CASES), df)))
     print(f"\n{mutant}: " + ", ".join(f"{s} chi2={stat:.1f} bound={b:.1f}" for s, stat, b in results))
     assert any(stat > bound for _, stat, bound in results), f"mutant {mutant} passed: {results}"
+
+
+# --- 3. two rounds: no randomness that decided a round is reused by the next -------------------------------------
+TWO_ROUND_LENGTH = 4
+
+
+def two_round_sequences(model, kind: str, num: int, seed: int, next_start: int = 1) -> torch.Tensor:
+    """The first TWO_ROUND_LENGTH tokens of every request after two depth-2 tree rounds, continued by the target if
+    short. Round 2 starts at round 1's start + num_accepted + ``next_start`` (1: right after round 1's tokens), its
+    drafts keyed by depth from its own start, like round 1's."""
+    shape = SHAPES["depth-2-branching"]
+    seeds, positions = request_keys(num, seed)
+    args, index_of = mc_inputs(model, shape, kind, seeds, positions)
+    out1, acc1, _ = tree_sample_reference(**args)
+    emitted1 = acc1.long() + 1
+    ctx = torch.zeros(num, dtype=torch.int64)
+    for i in range(out1.shape[1]):  # the context row after round 1's tokens
+        ctx = torch.where(i < emitted1, index_of[ctx, out1[:, i].clamp(min=0)], ctx)
+    args, _ = mc_inputs(model, shape, kind, seeds, positions + acc1.long() + next_start, root_ctx=ctx)
+    out2, acc2, _ = tree_sample_reference(**args)
+    both = torch.cat([out1, out2], dim=1)  # round 1's tokens (then -1), round 2's tokens (then -1)
+    slot = torch.arange(both.shape[1]).expand_as(both)
+    order = torch.where(both >= 0, slot, slot + both.shape[1]).argsort(dim=1)  # the emitted tokens first, in order
+    tokens = both.gather(1, order)
+    emitted = (emitted1 + acc2.long() + 1).clamp(max=TWO_ROUND_LENGTH)
+    return continue_with_target(model, tokens, emitted, index_of, TWO_ROUND_LENGTH, seed + 1)
+
+
+@pytest.mark.parametrize("kind", ["sampled", "onehot"])
+def test_two_rounds_follow_target(model, kind):
+    stat, df = joint_chi_square(model, two_round_sequences(model, kind, N_MC, seed=21))
+    bound = chi2_isf(ALPHA / 2, df)
+    print(f"\ntwo rounds {kind}: chi2={stat:.1f} df={df} bound={bound:.1f}")
+    assert stat <= bound, f"two rounds ({kind}): the tokens are not distributed as the target (chi2 {stat:.1f})"
+
+
+def test_two_rounds_reject_reused_positions(model):
+    """Mutant (an engine off-by-one): the second round starts at the first round's last emitted position instead of
+    the next one, so its first uniforms and draft noise are the ones that rejected round 1's last children."""
+    stat, df = joint_chi_square(model, two_round_sequences(model, "sampled", N_MC, seed=21, next_start=0))
+    bound = chi2_isf(ALPHA / 2, df)
+    print(f"\nround 2 reusing round 1's last position: chi2={stat:.1f} df={df} bound={bound:.1f}")
+    assert stat > bound, f"the reused-position mutant passed (chi2 {stat:.1f} <= {bound:.1f})"
