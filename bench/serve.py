@@ -7,6 +7,8 @@ throughput (completion tokens / wall time of the level), TTFT (request sent -> f
 ((last chunk - first chunk) / (tokens - 1), per request) and inter-chunk latency (gaps between content chunks: a
 verification round that accepts several tokens arrives as one chunk, so this is per chunk, not per token).
 
+``--configs plain,plain-no-prefix-cache --workloads shared-system`` is the prefix-caching A/B (TTFT).
+
 Workloads: ``classes`` - the bench prompt classes (bench/prompts, one user message each, round-robin);
 ``shared-system`` - one long system prompt shared by every request, with short distinct user questions (the
 prefix-caching workload).
@@ -48,6 +50,7 @@ SHARED_QUESTIONS = [
 ]
 CONFIGS = {
     "plain": [],
+    "plain-no-prefix-cache": ["--no-prefix-caching"],  # the prefix-caching A/B (not in the default sweep)
     "fixed-k": ["--speculative-method", "{method}", "--num-speculative-tokens", "{k}"],
     "adaptive": ["--speculative-method", "{method}", "--num-speculative-tokens", "{k}", "--adaptive"],
 }
