@@ -348,6 +348,24 @@ def test_n_samples_and_logprobs(servers, tiny_pair_plain, references):
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
 
 
+def test_prompt_list_gives_one_choice_per_prompt_and_sample(servers, tiny_pair_plain):
+    """A list of prompts (text and token ids) with n = 2: choice i * n + j is sample j of prompt i, streamed or not."""
+    client = servers["plain"].client()
+    ids = tiny_pair_plain.tokenizer.encode("an ant")
+    args = dict(model="tiny", prompt=["the cat", ids], n=2, max_tokens=6, temperature=0)
+    full = client.completions.create(**args)
+    refs = tiny_pair_plain.generate(prompt_token_ids=[tiny_pair_plain.tokenizer.encode("the cat"), ids],
+                                    sampling_params=specdec.SamplingParams(temperature=0, max_tokens=6))
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert [c.text for c in full.choices] == [refs[0].outputs[0].text] * 2 + [refs[1].outputs[0].text] * 2
+    assert full.usage.prompt_tokens == len(refs[0].prompt_token_ids) + len(ids)
+    streamed = {i: "" for i in range(4)}
+    for chunk in client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert [streamed[i] for i in range(4)] == [c.text for c in full.choices]
+
+
 def test_engine_failure_ends_request_with_error(servers):
     """A request that fails inside the engine gets a 500 (non-streamed) or an error event (streamed); the
     server serves on and frees its blocks."""
