@@ -2,6 +2,7 @@
 
     python -m bench.e2e --target smollm2 --method prompt_lookup [--adaptive] --k 4 --temperature 0 --batch 1
     python -m bench.e2e --target qwen-1.5b --draft qwen-0.5b --method draft_model --k 4 --batch 1
+    python -m bench.e2e --target qwen-1.5b --draft qwen-0.5b --method draft_model --temperature 0.8 --verify block
 
 For each prompt class in ``bench/prompts/`` (code, json, copy, prose; a few prompt files each) and each batch
 size, in one process with one thread count:
@@ -58,7 +59,7 @@ from bench.common import (
     timed,
     write_json,
 )
-from specdec.config import SPECULATIVE_METHODS
+from specdec.config import SPECULATIVE_METHODS, VERIFY_METHODS, parse_tree
 from specdec.model.tokenizer import Tokenizer
 
 
@@ -316,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default=None, help="draft model for draft_model / combined (folder or alias)")
     parser.add_argument("--method", choices=SPECULATIVE_METHODS, required=True)
     parser.add_argument("--adaptive", action="store_true")
+    parser.add_argument("--verify", choices=VERIFY_METHODS, default="token",
+                        help="verification of sampled chains: token-wise or block (SpeculativeConfig.verify)")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--tree", default=None, help="draft a token tree: e.g. 3,2,1,1 or dynamic (default: chains)")
+    parser.add_argument("--tree-budget", type=int, default=16, help="node budget of a dynamic tree")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--prompts", default=",".join(PROMPT_CLASSES), help="comma-separated prompt classes")
@@ -338,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     target_path = resolve_model(args.target)
     draft_path = resolve_model(args.draft) if args.draft else None
     spec_config = specdec.SpeculativeConfig(method=args.method, draft_model=draft_path,
-                                            num_speculative_tokens=args.k, adaptive=args.adaptive)
+                                            num_speculative_tokens=args.k, adaptive=args.adaptive,
+                                            verify=args.verify, tree=parse_tree(args.tree),
+                                            tree_budget=args.tree_budget)
     prompts = load_prompts(args.prompts.split(","), args.prompts_per_class)
     print(f"{meta['machine']}, torch {meta['torch']}, transformers {meta['transformers']}, "
           f"{torch.get_num_threads()} thread(s), load {meta['load_average_at_start'][0]:.1f}", flush=True)
@@ -346,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_dir(target_path)
     ids = {cls: [chat_token_ids(tokenizer, p.text) for p in ps] for cls, ps in prompts.items()}
     # KV pools sized for this run only: the longest prompt + max tokens + lookahead, for every request at once
-    max_model_len = -(-(max(len(p) for ps in ids.values() for p in ps) + args.max_tokens + args.k + 2) // 16) * 16
+    lookahead = spec_config.tree_nodes(args.k)  # k, or a tree's node count
+    max_model_len = -(-(max(len(p) for ps in ids.values() for p in ps) + args.max_tokens + lookahead + 2) // 16) * 16
     engine_kwargs = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                      "num_kv_blocks": max(args.batch) * (max_model_len // 16 + 1) + 2}
     plain_llm = specdec.LLM(target_path, **engine_kwargs)
@@ -400,12 +408,14 @@ def main(argv: list[str] | None = None) -> int:
     report(results, args)
     name = "_".join(filter(None, [
         "e2e", slug(Path(target_path).name), slug(Path(draft_path).name) if draft_path else None, args.method,
-        "adaptive" if args.adaptive else None, f"k{args.k}", "b" + "-".join(map(str, args.batch)),
+        "adaptive" if args.adaptive else None, "block" if args.verify == "block" else None, f"k{args.k}",
+        "b" + "-".join(map(str, args.batch)),
         f"T{args.temperature:g}", f"t{args.threads}",
     ]))
     path = write_json(name, {
         "meta": {**meta, "target": target_path, "draft": draft_path, "method": args.method,
-                 "adaptive": args.adaptive, "k": args.k, "temperature": args.temperature, "batch": args.batch,
+                 "adaptive": args.adaptive, "verify": args.verify, "k": args.k, "temperature": args.temperature,
+                 "batch": args.batch,
                  "max_tokens": args.max_tokens, "reps": args.reps, "dtype": args.dtype, "threads": args.threads,
                  "prompts": {cls: [p.name for p in ps] for cls, ps in prompts.items()},
                  "command": "python -m bench.e2e " + " ".join(sys.argv[1:] if argv is None else argv)},
@@ -445,8 +455,8 @@ def report(results: dict, args) -> None:
                           r["acceptance_rate"], r["alpha"], r["tau"], r["speculating_step_fraction"],
                           r["mean_draft_length"], r["c"], r["v_k"],
                           r["identical_tokens"] if args.temperature == 0 else "n/a", hf])
-    print(f"\n{args.method}{' adaptive' if args.adaptive else ''}, k={args.k}, T={args.temperature:g}, "
-          f"{args.threads} thread(s), max {args.max_tokens} tokens, median of {args.reps}")
+    print(f"\n{args.method}{' adaptive' if args.adaptive else ''}, verify={args.verify}, k={args.k}, "
+          f"T={args.temperature:g}, {args.threads} thread(s), max {args.max_tokens} tokens, median of {args.reps}")
     print_table(table, header)
     for batch, rows in results["phase_a"].items():
         for cls, r in rows.items():
