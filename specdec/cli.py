@@ -242,11 +242,15 @@ def _non_negative_int(text: str) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """``specdec serve``: validate the options, load the model, serve until SIGINT / SIGTERM."""
     try:
-        from specdec.serve.server import run_server
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
     except ModuleNotFoundError as e:
         raise ValueError(f"specdec serve needs the 'serve' extra ({e.name} is missing): "
                          "pip install 'specdec[serve]'") from e
     import torch
+
+    from specdec.serve.server import run_server
 
     speculative = speculative_config(args)
     if not 0 < args.port < 65536:
