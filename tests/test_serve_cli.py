@@ -59,3 +59,12 @@ def test_cli_serve_rejects_bad_options_before_loading():
     out = subprocess.run([sys.executable, "-m", "specdec", "serve", "--draft-model", "x", "--port", "1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--draft-model needs" in out.stderr
+
+
+def test_cli_serve_without_the_serve_extra_says_how_to_install(monkeypatch, capsys):
+    from specdec.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # import uvicorn -> ModuleNotFoundError
+    assert main(["serve", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "uvicorn is missing" in err and "specdec[serve]" in err
