@@ -17,9 +17,10 @@ from test_spec_lossless import (
     run,
     target_prefix_logits,
 )
+from tiny_models import make_tiny_model
 
 import specdec
-from specdec import SamplingParams, SpeculativeConfig
+from specdec import SamplingParams, SpeculativeConfig, ops
 from specdec.cli import build_parser, speculative_config
 from specdec.kernels import block_verify as block_verify_module
 from specdec.sampling import verify as verify_module
@@ -141,3 +142,24 @@ def test_config_and_cli():
     assert speculative_config(args).verify == "block"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prompt", "hi", "--verify", "blocks"])
+
+
+def test_forced_triton_block_generation_equals_the_reference_path(tmp_path, monkeypatch):
+    """The kernel inside the engine (interpreter): the same tokens as the reference path, sampled and greedy."""
+    target, draft = str(tmp_path / "t"), str(tmp_path / "d")
+    small = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    make_tiny_model(target, "llama", seed=21, **small)
+    make_tiny_model(draft, "llama", seed=21, perturb_from=target, perturb_scale=0.2, **small)
+    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=64,
+                      speculative=SpeculativeConfig(draft_model=draft, num_speculative_tokens=3, verify="block"))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    params = [SamplingParams(temperature=0.9, top_k=30, top_p=0.9, max_tokens=4, seed=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    reference = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    launches = []
+    real = block_verify_module.block_verify
+    monkeypatch.setattr(block_verify_module, "block_verify", lambda *a, **k: launches.append(1) or real(*a, **k))
+    with ops.force_triton():
+        forced = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert launches and forced == reference
+
