@@ -35,7 +35,7 @@ def _registered(bm: BlockManager, seq_id: int, tokens: list[int], num_tokens: in
     return cached
 
 
-def test_a_shared_prefix_is_matched_block_by_block_and_the_last_token_is_recomputed():
+def test_a_shared_prefix_is_matched_block_by_block_and_the_last_two_tokens_are_recomputed():
     bm = BlockManager(16, BS, enable_prefix_caching=True)
     prompt = list(range(10, 20))  # 2 full blocks + 2 tokens
     assert _registered(bm, 0, prompt) == 0
@@ -44,13 +44,14 @@ def test_a_shared_prefix_is_matched_block_by_block_and_the_last_token_is_recompu
     assert bm.allocate(1, 10, prompt[:4] + [99] + prompt[5:]) == 4
     assert bm.block_table(1)[0] == bm.block_table(0)[0] and bm.block_table(1)[1] != bm.block_table(0)[1]
     assert bm.refcount(bm.block_table(0)[0]) == 2
-    # exactly the two cached blocks: the last token must be recomputed, so only the first block is served
+    # the two cached blocks and 0 or 1 token more: the last two tokens are recomputed, so only one block is served
     assert bm.allocate(2, 8, prompt[:8]) == 4
+    assert bm.allocate(5, 9, prompt[:9]) == 4
     assert bm.allocate(3, 12, prompt + [7, 7]) == 8
-    assert bm.stats == {"prefix_cache_queries": 10 + 10 + 8 + 12, "prefix_cache_hits": 0 + 4 + 4 + 8,
+    assert bm.stats == {"prefix_cache_queries": 10 + 10 + 8 + 9 + 12, "prefix_cache_hits": 0 + 4 + 4 + 4 + 8,
                         "prefix_cache_evicted_blocks": 0}
     bm.check_invariants()
-    for s in range(4):
+    for s in range(6):
         bm.free(s)
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and bm.num_evictable_blocks == 2
@@ -80,11 +81,11 @@ def test_unreferenced_cached_blocks_are_evicted_lru_tail_first_and_only_when_fre
     assert bm.num_evictable_blocks == 4
     bm.allocate(3, 4)  # 1 block: evicts the LRU one - a's *last* full block (released tail first)
     assert bm.block_table(3) == [a_blocks[1]]
-    assert bm.cached_prefix_len(9, a) == 4 and bm.cached_prefix_len(9, b) == 8
+    assert bm.cached_prefix_len(10, a + [0]) == 4 and bm.cached_prefix_len(10, b + [0]) == 8
     # taking a cached block back makes it referenced (not evictable); the can_allocate count knows
-    assert bm.can_allocate(9, b)  # 2 hits (evictable, revived) + 1 new block from the 3 evictable -> fits
-    assert not bm.can_allocate(13, b)  # 2 hits + 2 new blocks, but only 1 would be left after reviving
-    assert bm.allocate(4, 9, b) == 8
+    assert bm.can_allocate(10, b + [0])  # 2 hits (evictable, revived) + 1 new block from the 3 evictable -> fits
+    assert not bm.can_allocate(13, b + [0] * 4)  # 2 hits + 2 new blocks, but only 1 would be left after reviving
+    assert bm.allocate(4, 10, b + [0]) == 8
     assert bm.block_table(4)[:2] == b_blocks
     bm.check_invariants()
 
@@ -195,11 +196,11 @@ def test_the_second_request_computes_only_what_follows_the_cached_prefix(tiny_pa
     assert out1.outputs[0].token_ids == reference(first) and out2.outputs[0].token_ids == reference(second)
     stats = llm.engine.stats
     assert stats["prefix_cache_hits"] == cached and stats["prefix_cache_queries"] == len(first) + len(second)
-    # the same prompt again: everything but the last token's block is cached (the last token is recomputed)
+    # the same prompt again: every full block before the last two tokens is cached
     fed[0] = 0
     out3 = llm.generate(prompt_token_ids=[second], sampling_params=GREEDY)[0]
     assert out3.outputs[0].token_ids == reference(second)
-    assert fed[0] == len(second) - (len(second) - 1) // BS * BS + GREEDY.max_tokens - 1
+    assert fed[0] == len(second) - (len(second) - 2) // BS * BS + GREEDY.max_tokens - 1
     bm = llm.engine.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks and bm.num_evictable_blocks > 0
@@ -241,7 +242,7 @@ def test_requests_arriving_together_share_after_the_first_prefill(tiny_pair, ref
     fed = count_forward_tokens(llm, monkeypatch)
     prompt = shared_prompts(1, prefix_len=17)[0]
     outs = llm.generate(prompt_token_ids=[prompt] * 3 + [prompt[:9] + [5, 6]], sampling_params=GREEDY)
-    cached = (len(prompt) - 1) // BS * BS
+    cached = (len(prompt) - 2) // BS * BS
     assert [o.metrics["num_cached_tokens"] for o in outs] == [0, cached, cached, 8]
     assert fed[0] == len(prompt) + 2 * (len(prompt) - cached) + (11 - 8) + 4 * (GREEDY.max_tokens - 1)
     assert all(o.outputs[0].token_ids == reference(prompt) for o in outs[:3])
@@ -301,7 +302,7 @@ def test_a_failed_or_aborted_request_leaves_shared_blocks_intact(tiny_pair, refe
     later request reading the same cached blocks get their uncached tokens; a rejected request changes nothing."""
     llm = make_llm(tiny_pair[0])
     engine = llm.engine
-    prompts = shared_prompts(4, prefix_len=12, seed=5)
+    prompts = shared_prompts(4, prefix_len=13, seed=5)
     engine.add_request(prompt_token_ids=prompts[0], params=GREEDY, request_id="owner")
     engine.step()  # the owner's prompt is committed; its blocks are registered at the next schedule
     stats = dict(engine.stats)
@@ -336,3 +337,31 @@ def test_a_failed_or_aborted_request_leaves_shared_blocks_intact(tiny_pair, refe
     assert later.outputs[0].token_ids == reference(prompts[3])
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_cli_flag_turns_prefix_caching_off():
+    from specdec.cli import build_parser
+
+    for argv in (["generate", "--prompt", "x"], ["serve"]):
+        assert build_parser().parse_args(argv).enable_prefix_caching is True
+        assert build_parser().parse_args(argv + ["--no-prefix-caching"]).enable_prefix_caching is False
+
+
+@pytest.mark.parametrize("method", list(SPEC))
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_a_cached_prefix(tiny_pair, method):
+    """Sampled speculative decoding: a request served partly from the cache gets the tokens of the same seeded
+    request on an uncached engine - the admission step stays a prefill (>= 2 tokens), so no step drafts where the
+    uncached run did not. Prompt lengths cover every remainder mod block_size (1 + a multiple of 4 included: the
+    case where recomputing only the last token would make the admission step a 1-token decode)."""
+    target, draft = tiny_pair
+    params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=11)
+    cached, uncached = (make_llm(target, cache=c, speculative=SPEC[method](draft)) for c in (True, False))
+    rng = random.Random(6)
+    base = [rng.randrange(1, 257) for _ in range(16)]
+    for n in range(6, 14):
+        prompt = base[:n]
+        want = uncached.generate(prompt_token_ids=[prompt], sampling_params=params)[0].outputs[0].token_ids
+        cached.generate(prompt_token_ids=[prompt + [1]], sampling_params=params)  # caches the prompt's blocks
+        out = cached.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+        assert out.metrics["num_cached_tokens"] == (n - 2) // BS * BS > 0
+        assert out.outputs[0].token_ids == want, f"prompt length {n}"

@@ -27,6 +27,13 @@ from collections.abc import Sequence
 from specdec.cache.prefix_cache import PrefixCache
 
 
+# Tokens at the end of a sequence that are never served from the prefix cache. One so that the forward has logits to
+# sample from; two so that the admission step is always a prefill of >= 2 tokens, as without the cache - a 1-token
+# step is a decode step to a speculative engine, which would draft there and draw the request's first token from
+# other random streams than the uncached run does (docs/architecture.md, "Prefix caching").
+RECOMPUTED_TAIL = 2
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
@@ -85,6 +92,11 @@ class BlockManager:
     def can_append(self, seq_id: int, num_new: int) -> bool:
         return self._extra_blocks(seq_id, num_new) <= self.num_free_blocks
 
+    @staticmethod
+    def cacheable_len(num_tokens: int) -> int:
+        """How many leading tokens of a sequence of ``num_tokens`` tokens may be served from the cache."""
+        return max(0, num_tokens - RECOMPUTED_TAIL)
+
     def cached_prefix_len(self, num_tokens: int, token_ids: Sequence[int] | None) -> int:
         """Tokens ``allocate`` would serve from the cache (a query: changes nothing, counts nothing)."""
         return len(self._cached_prefix(num_tokens, token_ids)[1]) * self.block_size
@@ -106,8 +118,8 @@ class BlockManager:
         served from the prefix cache (a multiple of ``block_size``; 0 without prefix caching or ``token_ids``).
 
         ``token_ids``: the sequence's tokens, to look its prefix up in the cache. The longest run of cached full
-        blocks within ``token_ids[:-1]`` is shared (the last token is always recomputed, so that a forward has
-        logits to sample from); the rest are new blocks.
+        blocks within ``token_ids[:-RECOMPUTED_TAIL]`` is shared (the last two tokens are always recomputed: see
+        ``RECOMPUTED_TAIL``); the rest are new blocks.
         """
         assert seq_id not in self._tables, f"sequence {seq_id} already has blocks"
         if not self.can_allocate(num_tokens, token_ids):
@@ -175,10 +187,10 @@ class BlockManager:
     # --- internals -----------------------------------------------------------------------------------------
     def _cached_prefix(self, num_tokens: int, token_ids: Sequence[int] | None) -> tuple[list[bytes], list[int]]:
         """(keys, blocks) of the cached full blocks a new sequence of ``num_tokens`` slots would share."""
-        if self.prefix_cache is None or token_ids is None or len(token_ids) < 2:
+        if self.prefix_cache is None or token_ids is None:
             return [], []
-        cacheable = min(len(token_ids) - 1, num_tokens)  # the last token is always recomputed
-        return self.prefix_cache.match(token_ids[:cacheable])
+        cacheable = min(self.cacheable_len(len(token_ids)), num_tokens)
+        return self.prefix_cache.match(token_ids[:cacheable]) if cacheable >= self.block_size else ([], [])
 
     def _take(self) -> int:
         """A block for new tokens: a free one, else the least recently released evictable one (evicted)."""

@@ -112,8 +112,8 @@ class Scheduler:
             return False
         bs = bm.block_size
         cached = bm.cached_prefix_len(len(token_ids), token_ids)
-        end = cached + bs  # the block after the cached prefix, if seq would cache it (full, not its last token)
-        if end > len(token_ids) - 1:
+        end = cached + bs  # the block after the cached prefix, if seq could be served it from the cache
+        if end > bm.cacheable_len(len(token_ids)):
             return False
         for other in self.running:
             if other.num_computed < end <= other.num_tokens and other.all_token_ids[:end] == token_ids[:end]:
