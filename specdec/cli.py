@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
-from specdec.config import VERIFY_METHODS
+from specdec.config import VERIFY_METHODS, parse_tree
 
 EXIT_USAGE = 2  # bad arguments or input files (argparse's own code)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -154,6 +154,11 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
     group.add_argument("--verify", choices=VERIFY_METHODS, default=_speculative_default("verify"),
                        help="verification of sampled draft chains: token-wise or block (Sun et al. 2025)")
+    group.add_argument("--tree", default=None,
+                       help="draft a token tree: branching factors per depth (e.g. 3,2,1,1) or 'dynamic' "
+                            "(default: chains)")
+    group.add_argument("--tree-budget", type=int, default=_speculative_default("tree_budget"),
+                       help="the most drafted nodes of a dynamic tree")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +213,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         return None
     return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
                              num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
-                             verify=args.verify)
+                             verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget)
 
 
 def _model_path(model: str | None) -> str:

@@ -108,6 +108,19 @@ def tree_size(branching: list[int]) -> int:
     return total
 
 
+def parse_tree(text: str | None) -> list[int] | str | None:
+    """A ``--tree`` option: ``"3,2,1,1"`` -> ``[3, 2, 1, 1]``, ``"dynamic"``, or None / ``""`` / ``"none"``."""
+    if text is None or text.strip().lower() in ("", "none", "chain"):
+        return None
+    if text.strip().lower() == "dynamic":
+        return "dynamic"
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--tree must be 'dynamic' or comma-separated branching factors like 3,2,1,1; got {text!r}"
+                         ) from None
+
+
 SPECULATIVE_METHODS = ("draft_model", "ngram", "prompt_lookup", "combined")
 MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram")
 VERIFY_METHODS = ("token", "block")
