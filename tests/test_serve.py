@@ -82,12 +82,7 @@ def test_stream_equals_non_stream_and_seeded_llm(servers, references, kind):
     for the same seed; the final streamed chunk carries the same usage."""
     server, client = servers[kind], servers[kind].client()
     args = dict(model="tiny", max_tokens=30, temperature=0.9, top_p=0.95, seed=11)
-    # Warm the prefix cache first, here and in the reference: a cache hit leaves one prompt token to compute, so
-    # a speculative engine's first step is a round (k > 0) instead of the last prefill chunk (k = 0), and a seeded
-    # speculative request reproduces only under the same k at every step (docs/guarantees.md). Warmed, every
-    # request below is a hit with the same schedule.
-    client.completions.create(prompt=PROMPTS[2], **{**args, "max_tokens": 1})
-    references[kind].generate(PROMPTS[2], specdec.SamplingParams(max_tokens=1))
+    # the first request computes the prompt, the second finds it in the prefix cache: same tokens either way
     full = client.completions.create(prompt=PROMPTS[2], **args)
     chunks = list(client.completions.create(prompt=PROMPTS[2], stream=True, stream_options={"include_usage": True},
                                             **args))
@@ -99,7 +94,6 @@ def test_stream_equals_non_stream_and_seeded_llm(servers, references, kind):
                                                                        max_tokens=30))[0]
     assert full.choices[0].text == ref.outputs[0].text
     messages = [{"role": "user", "content": "tell me about the tin"}]
-    client.chat.completions.create(messages=messages, **{**args, "max_tokens": 1})
     full = client.chat.completions.create(messages=messages, **args)
     chunks = list(client.chat.completions.create(messages=messages, stream=True, **args))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -131,8 +125,8 @@ def _as_sampling(kw: dict) -> specdec.SamplingParams:
 @pytest.mark.parametrize("kind", ["plain", "draft"])
 def test_32_concurrent_streams(servers, references, kind):
     """32 streaming clients at once with mixed parameters: every stream completes with a consistent finish reason
-    and usage, equals the library's output for the same request (plain: all; speculative: greedy ones), and
-    afterwards every KV block of every pool is free again."""
+    and usage, equals the library's output for the same request, and afterwards every KV block of every pool is
+    free again."""
     server = servers[kind]
     requests = [(PROMPTS[i % len(PROMPTS)] + " " * (i % 3), _mixed_params(i)) for i in range(32)]
 
@@ -160,12 +154,10 @@ def test_32_concurrent_streams(servers, references, kind):
         assert reason in ("stop", "length") and 1 <= tokens <= kw["max_tokens"]
         assert reason == "stop" or tokens == kw["max_tokens"]
         assert not any(stop in text for stop in kw.get("stop", []))
-        if kind == "plain" or kw["temperature"] == 0:
-            assert (text, reason, tokens) == (ref.outputs[0].text, ref.outputs[0].finish_reason,
-                                              len(ref.outputs[0].token_ids))
-        # A seeded *speculative* sample reproduces only under the same k at every step (docs/guarantees.md);
-        # which of 32 concurrent requests hits the prefix cache (first step a round, not a prefill) depends on
-        # arrival order, so sampled requests on the draft server are checked for completeness, not tokens.
+        # seeded: the same tokens whatever the batch and whichever requests hit the prefix cache (fixed k, no
+        # pool pressure: docs/guarantees.md)
+        assert (text, reason, tokens) == (ref.outputs[0].text, ref.outputs[0].finish_reason,
+                                          len(ref.outputs[0].token_ids))
     state = server.wait_idle()
     assert not state["unfinished"] and state["free"] == state["total"], state
     assert state["pools"] == (2 if kind == "draft" else 1)
