@@ -358,6 +358,23 @@ def test_prompt_list_gives_one_choice_per_prompt_and_sample(servers, tiny_pair_p
     assert [streamed[i] for i in range(4)] == [c.text for c in full.choices]
 
 
+def test_prefix_cache_hits_show_in_usage_and_metrics(servers):
+    """The second request with a shared prefix reports its cached prompt tokens (OpenAI's
+    usage.prompt_tokens_details.cached_tokens) and the server counts them."""
+    server = servers["plain"]
+    client = server.client()
+    hits = lambda: _sample(Http(server).get("/metrics")[1], "specdec_prefix_cache_hits_total")  # noqa: E731
+    before = hits()
+    prompt = "a shared prefix of the prompt, long enough for several blocks: "
+    first = client.completions.create(model="tiny", prompt=prompt + "one", max_tokens=2, temperature=0)
+    second = client.completions.create(model="tiny", prompt=prompt + "two", max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached <= len(prompt) and cached % 4 == 0  # whole blocks of 4 (byte-level tokens)
+    server.wait_idle()
+    assert hits() - before == cached
+
+
 def test_engine_failure_ends_request_with_error(servers):
     """A request that fails inside the engine gets a 500 (non-streamed) or an error event (streamed); the
     server serves on and frees its blocks."""

@@ -316,7 +316,9 @@ def _failure(finals: list[RequestOutput]) -> RequestError | None:
 def _usage(finals: list[RequestOutput]) -> dict:
     prompt = sum(len(out.prompt_token_ids) for out in finals)
     completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum((out.metrics or {}).get("num_cached_tokens") or 0 for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _event(payload: dict) -> str:

@@ -49,6 +49,8 @@ class EngineSnapshot:
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # engine counters (tokens looked up / served from the prefix cache)
+    prefix_cache_hits: int = 0
     loop_alive: bool = True
 
 
@@ -330,11 +332,14 @@ class AsyncEngine:
     def _publish(self) -> None:
         engine = self.engine
         bm = engine.block_manager
+        stats = engine.stats
         self.snapshot = EngineSnapshot(
             num_running=len(engine.scheduler.running),
             num_waiting=len(engine.scheduler.waiting),
             kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
             kv_blocks_total=bm.num_blocks,
+            prefix_cache_queries=stats.get("prefix_cache_queries", 0),
+            prefix_cache_hits=stats.get("prefix_cache_hits", 0),
         )
         if self.metrics is not None:
             self.metrics.on_snapshot(self.snapshot)

@@ -32,6 +32,11 @@ class ServerMetrics:
         self.kv_total = Gauge(f"{p}_kv_cache_blocks_total", "target KV-cache blocks in the pool", registry=r)
         self.kv_usage = Gauge(f"{p}_kv_cache_usage_ratio", "kv_cache_blocks_used / kv_cache_blocks_total",
                               registry=r)
+        self.cache_queries = Counter(f"{p}_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                     registry=r)
+        self.cache_hits = Counter(f"{p}_prefix_cache_hits", "prompt tokens served from the prefix cache (not computed)",
+                                  registry=r)
+        self._cache_seen = [0, 0]  # engine counters already added (queries, hits)
         self.prompt_tokens = Counter(f"{p}_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter(f"{p}_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter(f"{p}_requests_finished", "finished sequences by finish reason",
@@ -103,6 +108,11 @@ class ServerMetrics:
         self.kv_used.set(snap.kv_blocks_used)
         self.kv_total.set(snap.kv_blocks_total)
         self.kv_usage.set(snap.kv_blocks_used / snap.kv_blocks_total if snap.kv_blocks_total else 0.0)
+        for i, (counter, value) in enumerate(((self.cache_queries, snap.prefix_cache_queries),
+                                              (self.cache_hits, snap.prefix_cache_hits))):
+            if value > self._cache_seen[i]:
+                counter.inc(value - self._cache_seen[i])
+                self._cache_seen[i] = value
 
     # --- HTTP side ------------------------------------------------------------------------------------------
     def render(self) -> bytes:
