@@ -331,7 +331,8 @@ def test_a_failed_or_aborted_request_leaves_shared_blocks_intact(tiny_pair, refe
     assert outputs["victim"].outputs[0].finish_reason == "error"
     assert outputs["victim"].metrics["num_cached_tokens"] == 12
     assert outputs["owner"].outputs[0].token_ids == reference(prompts[0])
-    assert outputs["aborted"].outputs[0].token_ids == reference(prompts[2])[: len(outputs["aborted"].outputs[0].token_ids)]
+    aborted = outputs["aborted"].outputs[0].token_ids
+    assert aborted == reference(prompts[2])[: len(aborted)]
     later = llm.generate(prompt_token_ids=[prompts[3]], sampling_params=GREEDY)[0]
     assert later.metrics["num_cached_tokens"] == 12  # the shared 12 tokens: 3 full blocks
     assert later.outputs[0].token_ids == reference(prompts[3])

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 from specdec.cache.prefix_cache import PrefixCache
 
-
 # Tokens at the end of a sequence that are never served from the prefix cache. One so that the forward has logits to
 # sample from; two so that the admission step is always a prefill of >= 2 tokens, as without the cache - a 1-token
 # step is a decode step to a speculative engine, which would draft there and draw the request's first token from
