@@ -44,6 +44,8 @@ def _check(engine) -> None:
         assert 0 <= seq.num_computed < seq.num_tokens, "a running request with nothing left to compute is stuck"
         for bm in _pools(engine):
             assert seq.num_computed <= bm.seq_len(seq.seq_id)
+            # only committed tokens are ever hashed into the prefix cache, never speculative ones
+            assert bm.num_chained_blocks(seq.seq_id) * bm.block_size <= seq.num_computed
         assert len(seq.output_token_ids) < seq.params.max_tokens
     for seq in waiting.values():
         assert seq.num_computed == 0
