@@ -112,7 +112,7 @@ class Scheduler:
             return False
         bs = bm.block_size
         cached = bm.cached_prefix_len(len(token_ids), token_ids)
-        end = cached + bs  # the block after the cached prefix, if seq could be served it from the cache
+        end = cached + bs  # the block after the cached prefix, if it is one seq could be served from the cache
         if end > bm.cacheable_len(len(token_ids)):
             return False
         for other in self.running:
