@@ -366,3 +366,18 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_with_a_cached_prefix(tin
         out = cached.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
         assert out.metrics["num_cached_tokens"] == (n - 2) // BS * BS > 0
         assert out.outputs[0].token_ids == want, f"prompt length {n}"
+
+
+def test_n_samples_share_the_prompt_computed_once(tiny_pair, reference, monkeypatch):
+    llm = make_llm(tiny_pair[0])
+    fed = count_forward_tokens(llm, monkeypatch)
+    prompt = shared_prompts(1, prefix_len=18, seed=7)[0]
+    cached = (len(prompt) - 2) // BS * BS
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, n=3)
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert fed[0] == len(prompt) + 2 * (len(prompt) - cached) + 3 * (params.max_tokens - 1)
+    assert llm.engine.stats["prefix_cache_hits"] == 2 * cached
+    assert out.metrics["num_cached_tokens"] == 0  # sample 0's: the request found nothing cached
+    assert all(c.token_ids == reference(prompt, params)[:6] for c in out.outputs)
+    again = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert again.metrics["num_cached_tokens"] == cached <= again.metrics["num_prompt_tokens"]

@@ -70,7 +70,7 @@ class RequestMetrics:
         out = cls()
         for f in fields(cls):
             values = [getattr(m, f.name) for m in parts]
-            if f.name == "num_prompt_tokens":
+            if f.name in ("num_prompt_tokens", "num_cached_tokens"):  # the prompt once (sample 0's cache hit)
                 merged = values[0]
             elif f.name in ("arrival_time", "first_token_time"):
                 known = [v for v in values if v is not None]
