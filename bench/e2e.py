@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     lookahead = spec_config.tree_nodes(args.k)  # k, or a tree's node count
     max_model_len = -(-(max(len(p) for ps in ids.values() for p in ps) + args.max_tokens + lookahead + 2) // 16) * 16
     engine_kwargs = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
-                     "num_kv_blocks": max(args.batch) * (max_model_len // 16 + 1) + 2}
+                     "num_kv_blocks": max(args.batch) * (max_model_len // 16 + 1) + 2,
+                     "enable_prefix_caching": False}  # every repetition pays its full prefill, as transformers does
     plain_llm = specdec.LLM(target_path, **engine_kwargs)
     with reuse_target_weights(plain_llm):  # one copy of the target's weights for both engines
         spec_llm = specdec.LLM(target_path, speculative=spec_config, **engine_kwargs)
