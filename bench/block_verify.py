@@ -106,6 +106,15 @@ def summary(rounds: list[dict]) -> dict:
             "min_block_minus_token": min(diffs), "sampled_token_accepted": sum(r["sampled"] for r in rounds) / n}
 
 
+def _results(recorder: Recorder, prompts: dict) -> dict:
+    if not recorder.rounds:
+        return {}
+    results = {"all": summary(recorder.rounds)}
+    results.update({cls: summary([r for r in recorder.rounds if r["class"] == cls])
+                    for cls in prompts if any(r["class"] == cls for r in recorder.rounds)})
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.block_verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen-1.5b", help="folder, or smollm2 | qwen-0.5b | qwen-1.5b")
@@ -132,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     llm = specdec.LLM(target_path, dtype=args.dtype, seed=args.seed, prepack_weights=False, kv_cache_memory_gb=0.25,
                       speculative=specdec.SpeculativeConfig(draft_model=draft_path, num_speculative_tokens=args.k))
     recorder = Recorder()
+    name = "_".join(["block_verify", slug(Path(target_path).name), slug(Path(draft_path).name), f"k{args.k}",
+                     f"T{args.temperature:g}", f"t{args.threads}"])
+    meta.update({"target": target_path, "draft": draft_path, "k": args.k, "temperature": args.temperature,
+                 "max_tokens": args.max_tokens, "dtype": args.dtype, "threads": args.threads,
+                 "prompts": {cls: [p.name for p in ps] for cls, ps in prompts.items()},
+                 "command": "python -m bench.block_verify " + " ".join(sys.argv[1:] if argv is None else argv)})
     ops.spec_sample = recorder  # verify() looks ops.spec_sample up at call time
     start = time.perf_counter()
     try:
@@ -141,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
                 params = specdec.SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                                                 seed=args.seed + i)
                 llm.generate(prompt_token_ids=[chat_token_ids(tokenizer, p.text)], sampling_params=params)
+                # written after every prompt, so that a run cut short (a shared machine's OOM killer) keeps its data
+                path = write_json(name, {"meta": {**meta, "complete": False}, "results": _results(recorder, prompts)},
+                                  record=args.record)
             print(f"  {cls}: {sum(r['class'] == cls for r in recorder.rounds)} rounds "
                   f"({time.perf_counter() - start:.0f}s)", flush=True)
     finally:
         ops.spec_sample = recorder._real
-    results = {"all": summary(recorder.rounds)}
-    results.update({cls: summary([r for r in recorder.rounds if r["class"] == cls])
-                    for cls in prompts if any(r["class"] == cls for r in recorder.rounds)})
+    results = _results(recorder, prompts)
     print(f"\n{Path(target_path).name} <- {Path(draft_path).name}, k={args.k}, T={args.temperature:g}: exact expected "
           "accepted drafts per round (same blocks, same contexts)")
     print(f"{'class':>6} {'rounds':>6} {'token':>7} {'block':>7} {'diff':>8} {'+-se':>7} {'tau ratio':>9} "
@@ -156,15 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{cls:>6} {s['rounds']:>6} {s['token_accepted']:7.3f} {s['block_accepted']:7.3f} "
               f"{s['block_minus_token']:8.4f} {s['se_block_minus_token']:7.4f} {s['tokens_per_round_ratio']:9.4f} "
               f"{s['sampled_token_accepted']:7.3f}")
-    name = "_".join(["block_verify", slug(Path(target_path).name), slug(Path(draft_path).name), f"k{args.k}",
-                     f"T{args.temperature:g}", f"t{args.threads}"])
-    path = write_json(name, {
-        "meta": {**meta, "target": target_path, "draft": draft_path, "k": args.k, "temperature": args.temperature,
-                 "max_tokens": args.max_tokens, "dtype": args.dtype, "threads": args.threads,
-                 "prompts": {cls: [p.name for p in ps] for cls, ps in prompts.items()},
-                 "command": "python -m bench.block_verify " + " ".join(sys.argv[1:] if argv is None else argv)},
-        "results": results,
-    }, record=args.record)
+    path = write_json(name, {"meta": {**meta, "complete": True}, "results": results}, record=args.record)
     print(f"wrote {path}")
     return 0
 
