@@ -64,7 +64,6 @@ import torch
 
 from specdec.kernels._triton import tl, triton
 from specdec.kernels.philox import (
-    STREAM_ACCEPT,
     STREAM_BLOCK_ACCEPT,
     STREAM_RESIDUAL,
     philox_uniform,
@@ -73,14 +72,16 @@ from specdec.kernels.philox import (
 )
 from specdec.kernels.spec_sample import (
     SpecSampleConfig,
-    _argmax_over_noise,
+    _accept_tokenwise,
+    _chain_final_token,
     _check_inputs,
     _check_values,
+    _finish_row,
+    _request_prologue,
     spec_sample_config,
     spec_sample_reference,
 )
 
-_STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
 _STREAM_BLOCK_ACCEPT: tl.constexpr = tl.constexpr(STREAM_BLOCK_ACCEPT)
 
 
@@ -123,36 +124,20 @@ def _block_verify_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= max_num_draft_tokens + 1 (padding store)
 ):
-    # Unmasked scalar loads below index rows that exist by the layout (cu is checked on the host off the GPU).
-    req = tl.program_id(0).to(tl.int64)
-    first_draft = tl.load(cu_ptr + req).to(tl.int64)
+    req, first_draft, num_drafts, greedy, onehot, seed, position = _request_prologue(
+        cu_ptr, is_greedy_ptr, onehot_ptr, seeds_ptr, positions_ptr, HAS_DRAFT_PROBS
+    )
     # NOTE: clamped so a caller's wrong max_num_draft_tokens can never write outside the output row.
-    num_drafts = tl.minimum(tl.load(cu_ptr + req + 1).to(tl.int64) - first_draft, max_num_draft_tokens)
+    num_drafts = tl.minimum(num_drafts, max_num_draft_tokens)
     first_target = first_draft + req  # request b's target rows start at cu[b] + b
-    greedy = tl.load(is_greedy_ptr + req) != 0
-    if HAS_DRAFT_PROBS:
-        onehot = tl.load(onehot_ptr + req) != 0
-    else:
-        onehot = greedy | True
-    seed = tl.load(seeds_ptr + req)
-    position = tl.load(positions_ptr + req)
     out_row_ptr = out_ptr + req * (max_num_draft_tokens + 1)
 
     n = first_draft * 0  # int64 number of accepted drafts (tau)
     w_tau = tl.full([], 1.0, tl.float32)  # the weight at tau (1 at tau = 0 and on token-wise rows)
     if greedy | onehot:
-        # spec_sample's token-wise rule (a while loop with a flag: no `break` on GPUs).
-        accepting = num_drafts > 0
-        while accepting:
-            draft = tl.load(draft_ids_ptr + first_draft + n)
-            target_row = first_target + n
-            read_probs = (draft >= 0) & (draft < vocab_size) & (not greedy)
-            p_x = tl.load(target_probs_ptr + target_row * vocab_size + draft, mask=read_probs, other=0.0)
-            u = philox_uniform_tl(seed, position + n, _STREAM_ACCEPT, n * 0)  # in (0, 1); q(x) = 1
-            greedy_ok = tl.load(target_argmax_ptr + target_row) == draft
-            ok = tl.where(greedy, greedy_ok, u < p_x)
-            n += ok.to(tl.int64)
-            accepting = ok & (n < num_drafts)
+        # spec_sample's token-wise rule (q(x) = 1 on these rows: its ``u * q(x)`` is ``u`` exactly).
+        n = _accept_tokenwise(out_row_ptr, draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr,
+                              first_draft, first_target, num_drafts, greedy, onehot, seed, position, vocab_size)
     else:
         # Block rule: forward over i = 1..k carrying w_i; tau = the last i whose stop test passes.
         w = tl.full([], 1.0, tl.float32)
@@ -177,32 +162,16 @@ def _block_verify_kernel(
             w_tau = tl.where(stop, w, w_tau)
             scanning = (i < num_drafts) & (w > 0.0)  # w = 0: no later position can stop
 
-    # One more token at position n: from max(w_tau P_n - Q_n, 0) (token-wise: w = 1), or the bonus from P_k.
-    rejected = n < num_drafts
-    final_row = first_target + n
-    token = tl.load(target_argmax_ptr + final_row)
-    if not greedy:
-        rejected_draft = tl.load(draft_ids_ptr + first_draft + n, mask=rejected & onehot, other=-1)
-        p_row_ptr = target_probs_ptr + final_row * vocab_size
-        q_row_ptr = draft_probs_ptr + (first_draft + n) * vocab_size
-        scale = tl.where(rejected, w_tau, 1.0)
-        sampled, max_residual = _argmax_over_noise(
-            p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, scale, seed, position + n, vocab_size,
-            BLOCK_V,
-        )
-        if max_residual <= 0.0:  # residual all zero (tau = 0, P_0 <= Q_0 up to rounding): sample from P itself
-            no_q = rejected & False
-            no_onehot = rejected_draft * 0 - 1
-            sampled, max_residual = _argmax_over_noise(
-                p_row_ptr, q_row_ptr, no_q, no_onehot, 1.0, seed, position + n, vocab_size, BLOCK_V
-            )
-        token = sampled.to(tl.int64)
+    # One more token at position n: from max(w_tau P_n - Q_n, 0) (token-wise: w = 1), or the bonus from P_k;
+    # an all-zero residual (tau = 0, P_0 <= Q_0 up to rounding) samples from P itself.
+    scale = tl.where(n < num_drafts, w_tau, 1.0)
+    token = _chain_final_token(draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft,
+                               first_target, n, num_drafts, greedy, onehot, scale, seed, position, vocab_size,
+                               BLOCK_V)  # fmt: skip
     cols = tl.arange(0, BLOCK_K)
     accepted = tl.load(draft_ids_ptr + first_draft + cols, mask=cols < n, other=-1)  # (BLOCK_K,)
     tl.store(out_row_ptr + cols, accepted, mask=cols < n)
-    tl.store(out_row_ptr + n, token)
-    tl.store(num_accepted_ptr + req, n.to(tl.int32))
-    tl.store(out_row_ptr + cols, tl.full([BLOCK_K], -1, tl.int64), mask=(cols > n) & (cols <= max_num_draft_tokens))
+    _finish_row(out_row_ptr, num_accepted_ptr, req, n, token, max_num_draft_tokens, BLOCK_K)
 
 
 def block_verify(

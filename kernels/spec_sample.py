@@ -105,6 +105,91 @@ def _argmax_over_noise(
     return index, tl.max(max_residual, 0)
 
 
+@triton.jit
+def _request_prologue(cu_ptr, is_greedy_ptr, onehot_ptr, seeds_ptr, positions_ptr, HAS_DRAFT_PROBS: tl.constexpr):
+    """This program's request and its per-request scalars (shared by the spec_sample, block_verify and tree_sample
+    kernels): ``(req, first row cu[req], row count cu[req + 1] - cu[req], greedy, onehot, seed, position)``;
+    req / first / count int64, greedy / onehot bool (onehot is True everywhere without HAS_DRAFT_PROBS)."""
+    # Unmasked scalar loads: rows that exist by the layout (cu is checked on the host off the GPU).
+    req = tl.program_id(0).to(tl.int64)
+    first = tl.load(cu_ptr + req).to(tl.int64)
+    count = tl.load(cu_ptr + req + 1).to(tl.int64) - first
+    greedy = tl.load(is_greedy_ptr + req) != 0
+    if HAS_DRAFT_PROBS:
+        onehot = tl.load(onehot_ptr + req) != 0
+    else:
+        onehot = greedy | True
+    seed = tl.load(seeds_ptr + req)
+    position = tl.load(positions_ptr + req)
+    return req, first, count, greedy, onehot, seed, position
+
+
+@triton.jit
+def _accept_tokenwise(
+    out_row_ptr, draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft, first_target,
+    num_drafts, greedy, onehot, seed, position, vocab_size,
+):  # fmt: skip
+    """Accept drafts in order until the first rejection, storing each accepted draft at ``out_row_ptr + n``;
+    returns n (int64). Sampled rows: ``u * q(x) < p(x)`` (q(x) = 1 for one-hot rows); greedy rows: argmax == x.
+    A while loop with a flag: no ``break`` on GPUs."""
+    n = first_draft * 0  # int64 number accepted so far
+    accepting = num_drafts > 0
+    while accepting:
+        draft = tl.load(draft_ids_ptr + first_draft + n)
+        target_row = first_target + n
+        read_probs = (draft >= 0) & (draft < vocab_size) & (not greedy)
+        p_x = tl.load(target_probs_ptr + target_row * vocab_size + draft, mask=read_probs, other=0.0)
+        q_x = tl.load(
+            draft_probs_ptr + (first_draft + n) * vocab_size + draft, mask=read_probs & (not onehot), other=1.0
+        )
+        u = philox_uniform_tl(seed, position + n, _STREAM_ACCEPT, n * 0)  # in (0, 1)
+        sampled_ok = u * q_x < p_x  # u < p/q without dividing
+        greedy_ok = tl.load(target_argmax_ptr + target_row) == draft
+        ok = tl.where(greedy, greedy_ok, sampled_ok)
+        tl.store(out_row_ptr + n, draft, mask=ok)
+        n += ok.to(tl.int64)
+        accepting = ok & (n < num_drafts)
+    return n
+
+
+@triton.jit
+def _chain_final_token(
+    draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft, first_target, n, num_drafts,
+    greedy, onehot, p_scale, seed, position, vocab_size, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The token after n accepted drafts (int64): the target's argmax on greedy rows, else
+    ``argmax(max(w p_n - q_n, 0) / E)`` at position + n (w = ``p_scale``; q_n = 0 at the bonus row), or from p_n
+    itself when that residual is all zero (p <= q up to rounding)."""
+    final_row = first_target + n
+    token = tl.load(target_argmax_ptr + final_row)
+    if not greedy:
+        rejected = n < num_drafts
+        rejected_draft = tl.load(draft_ids_ptr + first_draft + n, mask=rejected & onehot, other=-1)
+        p_row_ptr = target_probs_ptr + final_row * vocab_size
+        q_row_ptr = draft_probs_ptr + (first_draft + n) * vocab_size
+        sampled, max_residual = _argmax_over_noise(
+            p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, p_scale, seed, position + n, vocab_size,
+            BLOCK_V,
+        )
+        if max_residual <= 0.0:  # residual all zero: sample from p itself
+            no_q = rejected & False
+            no_onehot = rejected_draft * 0 - 1
+            sampled, max_residual = _argmax_over_noise(
+                p_row_ptr, q_row_ptr, no_q, no_onehot, 1.0, seed, position + n, vocab_size, BLOCK_V
+            )
+        token = sampled.to(tl.int64)
+    return token
+
+
+@triton.jit
+def _finish_row(out_row_ptr, num_accepted_ptr, req, n, token, max_len, BLOCK: tl.constexpr):
+    """``out_row[n] = token``, ``num_accepted[req] = n`` (int32) and ``out_row[n + 1 .. max_len] = -1``."""
+    tl.store(out_row_ptr + n, token)
+    tl.store(num_accepted_ptr + req, n.to(tl.int32))
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_row_ptr + cols, tl.full([BLOCK], -1, tl.int64), mask=(cols > n) & (cols <= max_len))
+
+
 @triton.jit(do_not_specialize=["max_num_draft_tokens"])
 def _spec_sample_kernel(
     out_ptr,  # int64 [B, max_k + 1]
@@ -124,63 +209,20 @@ def _spec_sample_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,  # >= max_num_draft_tokens + 1 (padding store)
 ):
-    # Unmasked scalar loads below index rows that exist by the layout (cu is checked on the host off the GPU).
-    req = tl.program_id(0).to(tl.int64)
-    first_draft = tl.load(cu_ptr + req).to(tl.int64)
+    req, first_draft, num_drafts, greedy, onehot, seed, position = _request_prologue(
+        cu_ptr, is_greedy_ptr, onehot_ptr, seeds_ptr, positions_ptr, HAS_DRAFT_PROBS
+    )
     # NOTE: clamped so a caller's wrong max_num_draft_tokens can never write outside the output row.
-    num_drafts = tl.minimum(tl.load(cu_ptr + req + 1).to(tl.int64) - first_draft, max_num_draft_tokens)
+    num_drafts = tl.minimum(num_drafts, max_num_draft_tokens)
     first_target = first_draft + req  # request b's target rows start at cu[b] + b
-    greedy = tl.load(is_greedy_ptr + req) != 0
-    if HAS_DRAFT_PROBS:
-        onehot = tl.load(onehot_ptr + req) != 0
-    else:
-        onehot = greedy | True
-    seed = tl.load(seeds_ptr + req)
-    position = tl.load(positions_ptr + req)
     out_row_ptr = out_ptr + req * (max_num_draft_tokens + 1)
-
-    # Accept drafts in order until the first rejection (a while loop with a flag: no `break` on GPUs).
-    n = first_draft * 0  # int64 number accepted so far
-    accepting = num_drafts > 0
-    while accepting:
-        draft = tl.load(draft_ids_ptr + first_draft + n)
-        target_row = first_target + n
-        read_probs = (draft >= 0) & (draft < vocab_size) & (not greedy)
-        p_x = tl.load(target_probs_ptr + target_row * vocab_size + draft, mask=read_probs, other=0.0)
-        q_x = tl.load(
-            draft_probs_ptr + (first_draft + n) * vocab_size + draft, mask=read_probs & (not onehot), other=1.0
-        )
-        u = philox_uniform_tl(seed, position + n, _STREAM_ACCEPT, n * 0)  # in (0, 1)
-        sampled_ok = u * q_x < p_x  # u < p/q without dividing
-        greedy_ok = tl.load(target_argmax_ptr + target_row) == draft
-        ok = tl.where(greedy, greedy_ok, sampled_ok)
-        tl.store(out_row_ptr + n, draft, mask=ok)
-        n += ok.to(tl.int64)
-        accepting = ok & (n < num_drafts)
-
+    n = _accept_tokenwise(out_row_ptr, draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr,
+                          first_draft, first_target, num_drafts, greedy, onehot, seed, position, vocab_size)
     # One more token at position n: the recovered token after a rejection, or the bonus token.
-    final_row = first_target + n
-    token = tl.load(target_argmax_ptr + final_row)
-    if not greedy:
-        rejected = n < num_drafts
-        rejected_draft = tl.load(draft_ids_ptr + first_draft + n, mask=rejected & onehot, other=-1)
-        p_row_ptr = target_probs_ptr + final_row * vocab_size
-        q_row_ptr = draft_probs_ptr + (first_draft + n) * vocab_size
-        sampled, max_residual = _argmax_over_noise(
-            p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, 1.0, seed, position + n, vocab_size,
-            BLOCK_V,
-        )
-        if max_residual <= 0.0:  # residual all zero (p <= q up to rounding): sample from p itself
-            no_q = rejected & False
-            no_onehot = rejected_draft * 0 - 1
-            sampled, max_residual = _argmax_over_noise(
-                p_row_ptr, q_row_ptr, no_q, no_onehot, 1.0, seed, position + n, vocab_size, BLOCK_V
-            )
-        token = sampled.to(tl.int64)
-    tl.store(out_row_ptr + n, token)
-    tl.store(num_accepted_ptr + req, n.to(tl.int32))
-    cols = tl.arange(0, BLOCK_K)
-    tl.store(out_row_ptr + cols, tl.full([BLOCK_K], -1, tl.int64), mask=(cols > n) & (cols <= max_num_draft_tokens))
+    token = _chain_final_token(draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft,
+                               first_target, n, num_drafts, greedy, onehot, 1.0, seed, position, vocab_size,
+                               BLOCK_V)  # fmt: skip
+    _finish_row(out_row_ptr, num_accepted_ptr, req, n, token, max_num_draft_tokens, BLOCK_K)
 
 
 def spec_sample(

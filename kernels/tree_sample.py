@@ -67,6 +67,7 @@ import torch
 
 from specdec.kernels._triton import tl, triton
 from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
+from specdec.kernels.spec_sample import _finish_row, _request_prologue
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
 _STREAM_RESIDUAL: tl.constexpr = tl.constexpr(STREAM_RESIDUAL)
@@ -177,18 +178,10 @@ def _tree_sample_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr,  # >= max_depth + 1 (padding stores)
 ):
-    # Unmasked scalar loads index rows that exist by the layout (values are checked on the host off the GPU).
-    req = tl.program_id(0).to(tl.int64)
-    base = tl.load(cu_ptr + req).to(tl.int64)
-    num_nodes = tl.load(cu_ptr + req + 1).to(tl.int64) - base
-    greedy = tl.load(is_greedy_ptr + req) != 0
-    if HAS_DRAFT_PROBS:
-        onehot = tl.load(onehot_ptr + req) != 0
-    else:
-        onehot = greedy | True
+    req, base, num_nodes, greedy, onehot, seed, position = _request_prologue(
+        cu_ptr, is_greedy_ptr, onehot_ptr, seeds_ptr, positions_ptr, HAS_DRAFT_PROBS
+    )
     load_q = not onehot
-    seed = tl.load(seeds_ptr + req)
-    position = tl.load(positions_ptr + req)
     out_row_ptr = out_ptr + req * (max_depth + 1)
     path_row_ptr = accepted_nodes_ptr + req * max_depth
     excluded_row_ptr = excluded_ptr + base
@@ -267,10 +260,8 @@ def _tree_sample_kernel(
             searching = from_residual & (max_residual <= 0.0)
             from_residual = from_residual & False
         token = sampled.to(tl.int64)
-    tl.store(out_row_ptr + depth, token)
-    tl.store(num_accepted_ptr + req, depth.to(tl.int32))
+    _finish_row(out_row_ptr, num_accepted_ptr, req, depth, token, max_depth, BLOCK_D)
     cols = tl.arange(0, BLOCK_D)
-    tl.store(out_row_ptr + cols, tl.full([BLOCK_D], -1, tl.int64), mask=(cols > depth) & (cols <= max_depth))
     tl.store(path_row_ptr + cols, tl.full([BLOCK_D], -1, tl.int32), mask=(cols >= depth) & (cols < max_depth))
 
 
