@@ -71,14 +71,12 @@ from specdec.kernels.philox import (
     row_exponentials,
 )
 from specdec.kernels.spec_sample import (
-    SpecSampleConfig,
     _accept_tokenwise,
     _chain_final_token,
     _check_inputs,
-    _check_values,
     _finish_row,
     _request_prologue,
-    spec_sample_config,
+    launch_chain_kernel,
     spec_sample_reference,
 )
 
@@ -137,7 +135,8 @@ def _block_verify_kernel(
     if greedy | onehot:
         # spec_sample's token-wise rule (q(x) = 1 on these rows: its ``u * q(x)`` is ``u`` exactly).
         n = _accept_tokenwise(out_row_ptr, draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr,
-                              first_draft, first_target, num_drafts, greedy, onehot, seed, position, vocab_size)
+                              first_draft, first_target, num_drafts, greedy, onehot, seed, position,
+                              vocab_size)  # fmt: skip
     else:
         # Block rule: forward over i = 1..k carrying w_i; tau = the last i whose stop test passes.
         w = tl.full([], 1.0, tl.float32)
@@ -197,29 +196,10 @@ def block_verify(
     the launcher never syncs); ``block_v`` overrides the vocabulary chunk (tests).
     Returns ``(output_token_ids int64 [B, max_k + 1] padded with -1, num_accepted int32 [B])``.
     """
-    _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
-                  draft_is_onehot, seeds, positions, max_num_draft_tokens)
-    if not target_probs.is_cuda:  # values are free to read off the GPU (the interpreter would crash on a bad one)
-        _check_values(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot,
-                      max_num_draft_tokens)
-    batch, vocab = seeds.shape[0], target_probs.shape[1]
-    out = torch.empty((batch, max_num_draft_tokens + 1), dtype=torch.int64, device=target_probs.device)
-    num_accepted = torch.empty(batch, dtype=torch.int32, device=target_probs.device)
-    if batch == 0:
-        return out, num_accepted
-    config = spec_sample_config(vocab)
-    if block_v is not None:
-        if block_v < 1 or block_v & (block_v - 1):
-            raise ValueError(f"block_v must be a power of two, got {block_v}")
-        config = SpecSampleConfig(block_v=block_v, num_warps=config.num_warps)
-    _block_verify_kernel[(batch,)](
-        out, num_accepted, draft_token_ids, cu_num_draft_tokens,
-        target_probs if draft_probs is None else draft_probs, target_probs, target_argmax,
-        is_greedy, draft_is_onehot, seeds, positions, max_num_draft_tokens, vocab,
-        HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=config.block_v,
-        BLOCK_K=triton.next_power_of_2(max_num_draft_tokens + 1), num_warps=config.num_warps,
+    return launch_chain_kernel(
+        _block_verify_kernel, draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax,
+        is_greedy, draft_is_onehot, seeds, positions, max_num_draft_tokens, block_v=block_v,
     )  # fmt: skip
-    return out, num_accepted
 
 
 def block_weights(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
@@ -265,9 +245,7 @@ def block_verify_reference(
     Raises ``ValueError`` on bad shapes/dtypes and on bad metadata values (it reads them; it is not the GPU path).
     """
     _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
-                  draft_is_onehot, seeds, positions, max_num_draft_tokens)
-    _check_values(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot,
-                  max_num_draft_tokens)
+                  draft_is_onehot, seeds, positions, max_num_draft_tokens, read_values=True)  # fmt: skip
     block_rows = ~is_greedy & ~draft_is_onehot if draft_probs is not None else torch.zeros_like(is_greedy)  # (B,)
     # Token-wise rows: spec_sample's reference. The block rows ride along marked greedy (no noise is drawn for
     # them there) and are overwritten below.

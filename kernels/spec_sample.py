@@ -33,6 +33,7 @@ astronomically unlikely for continuous noise, so the two agree token for token i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -217,7 +218,8 @@ def _spec_sample_kernel(
     first_target = first_draft + req  # request b's target rows start at cu[b] + b
     out_row_ptr = out_ptr + req * (max_num_draft_tokens + 1)
     n = _accept_tokenwise(out_row_ptr, draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr,
-                          first_draft, first_target, num_drafts, greedy, onehot, seed, position, vocab_size)
+                          first_draft, first_target, num_drafts, greedy, onehot, seed, position,
+                          vocab_size)  # fmt: skip
     # One more token at position n: the recovered token after a rejection, or the bonus token.
     token = _chain_final_token(draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft,
                                first_target, n, num_drafts, greedy, onehot, 1.0, seed, position, vocab_size,
@@ -255,24 +257,29 @@ def spec_sample(
         output_token_ids: int64 ``[B, max_num_draft_tokens + 1]`` padded with -1.
         num_accepted: int32 ``[B]``.
     """
+    return launch_chain_kernel(
+        _spec_sample_kernel, draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax,
+        is_greedy, draft_is_onehot, seeds, positions, max_num_draft_tokens, block_v=block_v,
+    )  # fmt: skip
+
+
+def launch_chain_kernel(
+    kernel, draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
+    draft_is_onehot, seeds, positions, max_num_draft_tokens, *, block_v,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Check the inputs of :func:`spec_sample` and launch ``kernel`` (``_spec_sample_kernel`` or block_verify's
+    kernel, which take the same arguments), one program per request; returns ``(output_token_ids, num_accepted)``."""
+    # NOTE: reading values is free off the GPU (the interpreter would crash on a bad index); on CUDA it would be
+    # a host sync, so there the caller's metadata is trusted (the kernel still clamps k_b).
     _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
-                  draft_is_onehot, seeds, positions, max_num_draft_tokens)
-    if not target_probs.is_cuda:
-        # NOTE: reading values is free off the GPU (the interpreter would crash on a bad index); on CUDA it
-        # would be a host sync, so there the caller's metadata is trusted (the kernel still clamps k_b).
-        _check_values(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot,
-                      max_num_draft_tokens)
+                  draft_is_onehot, seeds, positions, max_num_draft_tokens, read_values=not target_probs.is_cuda)
     batch, vocab = seeds.shape[0], target_probs.shape[1]
     out = torch.empty((batch, max_num_draft_tokens + 1), dtype=torch.int64, device=target_probs.device)
     num_accepted = torch.empty(batch, dtype=torch.int32, device=target_probs.device)
     if batch == 0:
         return out, num_accepted
-    config = spec_sample_config(vocab)
-    if block_v is not None:
-        if block_v < 1 or block_v & (block_v - 1):
-            raise ValueError(f"block_v must be a power of two, got {block_v}")
-        config = SpecSampleConfig(block_v=block_v, num_warps=config.num_warps)
-    _spec_sample_kernel[(batch,)](
+    config = with_block_v(spec_sample_config(vocab), block_v)
+    kernel[(batch,)](
         out, num_accepted, draft_token_ids, cu_num_draft_tokens,
         target_probs if draft_probs is None else draft_probs, target_probs, target_argmax,
         is_greedy, draft_is_onehot, seeds, positions, max_num_draft_tokens, vocab,
@@ -280,6 +287,16 @@ def spec_sample(
         BLOCK_K=triton.next_power_of_2(max_num_draft_tokens + 1), num_warps=config.num_warps,
     )  # fmt: skip
     return out, num_accepted
+
+
+def with_block_v(config, block_v: int | None):
+    """``config`` (a frozen dataclass with a ``block_v`` field) with its vocabulary chunk overridden by ``block_v``
+    (tests use it to cover several chunks on a small vocabulary); ``None`` keeps it."""
+    if block_v is None:
+        return config
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    return dataclasses.replace(config, block_v=block_v)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -304,9 +321,7 @@ def spec_sample_reference(
     Raises ``ValueError`` on bad shapes/dtypes and on bad metadata values (it reads them; it is not the GPU path).
     """
     _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
-                  draft_is_onehot, seeds, positions, max_num_draft_tokens)
-    _check_values(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot,
-                  max_num_draft_tokens)
+                  draft_is_onehot, seeds, positions, max_num_draft_tokens, read_values=True)  # fmt: skip
     device = target_probs.device
     batch, vocab, max_k = seeds.shape[0], target_probs.shape[1], max_num_draft_tokens
     num_total = draft_token_ids.shape[0]
@@ -359,9 +374,10 @@ def spec_sample_reference(
 
 def _check_inputs(
     draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy, draft_is_onehot,
-    seeds, positions, max_num_draft_tokens,
+    seeds, positions, max_num_draft_tokens, *, read_values: bool,
 ) -> None:  # fmt: skip
-    """Shapes, dtypes, devices and contiguity (no value reads: this runs on the GPU path too)."""
+    """Shapes, dtypes, devices and contiguity, then (``read_values``) the metadata values with
+    :func:`_check_values`, which reads tensors: a host sync on CUDA, so the CUDA launcher skips it."""
     if not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 0:
         raise ValueError(f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
     if target_probs.ndim != 2:
@@ -381,11 +397,20 @@ def _check_inputs(
     }
     if draft_probs is not None:
         expected["draft_probs"] = (draft_probs, torch.float32, (num_total, vocab))
+    check_tensors(expected, target_probs, f"N={num_total}, B={batch}")
+    if read_values:
+        _check_values(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot,
+                      max_num_draft_tokens)  # fmt: skip
+
+
+def check_tensors(expected: dict, target_probs: torch.Tensor, sizes: str) -> None:
+    """Every ``name -> (tensor, dtype, shape)`` of ``expected`` must have that dtype and shape, live on
+    ``target_probs``'s device and be contiguous; ``sizes`` (e.g. ``"N=8, B=2"``) names the sizes in the error."""
     for name, (tensor, dtype, shape) in expected.items():
         if tensor.dtype != dtype:
             raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (N={num_total}, B={batch}), got {tuple(tensor.shape)}")
+            raise ValueError(f"{name} must have shape {shape} ({sizes}), got {tuple(tensor.shape)}")
         if tensor.device != target_probs.device:
             raise ValueError(f"{name} is on {tensor.device} but target_probs is on {target_probs.device}")
         if not tensor.is_contiguous():
@@ -395,7 +420,7 @@ def _check_inputs(
 def _check_values(
     draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, draft_is_onehot, max_num_draft_tokens
 ) -> None:
-    """Metadata values (reads tensors: a host sync on CUDA, so the CUDA launcher skips it)."""
+    """Metadata values (reads tensors)."""
     cu = cu_num_draft_tokens.long()
     num_drafts = cu[1:] - cu[:-1]
     if cu[0].item() != 0 or cu[-1].item() != draft_token_ids.shape[0] or bool((num_drafts < 0).any()):

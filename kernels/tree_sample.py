@@ -67,7 +67,7 @@ import torch
 
 from specdec.kernels._triton import tl, triton
 from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
-from specdec.kernels.spec_sample import _finish_row, _request_prologue
+from specdec.kernels.spec_sample import _finish_row, _request_prologue, check_tensors, with_block_v
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
 _STREAM_RESIDUAL: tl.constexpr = tl.constexpr(STREAM_RESIDUAL)
@@ -307,11 +307,7 @@ def tree_sample(
     accepted_nodes = torch.empty((batch, max_depth), dtype=torch.int32, device=device)
     if batch == 0:
         return out, num_accepted, accepted_nodes
-    config = tree_sample_config(vocab)
-    if block_v is not None:
-        if block_v < 1 or block_v & (block_v - 1):
-            raise ValueError(f"block_v must be a power of two, got {block_v}")
-        config = TreeSampleConfig(block_v=block_v, num_warps=config.num_warps)
+    config = with_block_v(tree_sample_config(vocab), block_v)
     excluded = torch.empty(node_token_ids.shape[0], dtype=torch.int64, device=device)
     _tree_sample_kernel[(batch,)](
         out, num_accepted, accepted_nodes, node_token_ids, node_parents, cu_num_nodes,
@@ -490,16 +486,7 @@ def _check_inputs(
     }
     if draft_probs is not None:
         expected["draft_probs"] = (draft_probs, torch.float32, (num_nodes, vocab))
-    for name, (tensor, dtype, shape) in expected.items():
-        if tensor.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape} (M={num_nodes}, B={batch}, V={vocab}), "
-                             f"got {tuple(tensor.shape)}")  # fmt: skip
-        if tensor.device != target_probs.device:
-            raise ValueError(f"{name} is on {tensor.device} but target_probs is on {target_probs.device}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    check_tensors(expected, target_probs, f"M={num_nodes}, B={batch}, V={vocab}")
 
 
 class _Links(NamedTuple):
