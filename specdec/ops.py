@@ -10,12 +10,13 @@ set that process-wide, and inferring from it would push every engine test throug
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from specdec.kernels import kv_compact as _kv_compact
 from specdec.kernels import block_verify as _block_verify
+from specdec.kernels import kv_compact as _kv_compact
 from specdec.kernels import paged_attention as _attention
 from specdec.kernels import softmax as _softmax
 from specdec.kernels import spec_sample as _spec_sample
@@ -106,66 +107,36 @@ def top_k_top_p_min_p(
     return _top_k_top_p.top_k_top_p_min_p_reference(probs, top_k, top_p, min_p)
 
 
-def spec_sample(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    target_argmax: torch.Tensor,
-    is_greedy: torch.Tensor,
-    draft_is_onehot: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    max_num_draft_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Speculative verification ``(output_token_ids int64 [B, max_k + 1], num_accepted int32 [B])``; see the
-    layout in ``specdec.kernels.spec_sample``."""
-    fn = _launcher(_spec_sample, "spec_sample") if use_triton(target_probs) else _spec_sample.spec_sample_reference
-    return fn(
-        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy, draft_is_onehot,
-        seeds, positions, max_num_draft_tokens,
-    )  # fmt: skip
+def _verification_op(module, name: str, doc: str):
+    """The op ``name`` of a verification kernel module: it takes the arguments of ``module.<name>_reference``
+    (positionally or by name) and runs ``module.<name>`` (the Triton launcher) iff ``use_triton(target_probs)``,
+    else that reference. The three verification ops share this rule and their argument lists."""
+    reference = getattr(module, f"{name}_reference")
+    signature = inspect.signature(reference)
+
+    def op(*args, **kwargs):
+        target_probs = signature.bind(*args, **kwargs).arguments["target_probs"]
+        fn = _launcher(module, name) if use_triton(target_probs) else reference
+        return fn(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = doc
+    op.__signature__ = signature  # help() and inspect show the reference's arguments
+    return op
 
 
-def tree_sample(
-    node_token_ids: torch.Tensor,
-    node_parents: torch.Tensor,
-    cu_num_nodes: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    target_argmax: torch.Tensor,
-    is_greedy: torch.Tensor,
-    draft_is_onehot: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    max_depth: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+spec_sample = _verification_op(
+    _spec_sample, "spec_sample",
+    """Speculative verification ``(output_token_ids int64 [B, max_k + 1], num_accepted int32 [B])``; arguments
+    and layout in ``specdec.kernels.spec_sample``.""",
+)  # fmt: skip
+tree_sample = _verification_op(
+    _tree_sample, "tree_sample",
     """Token-tree verification ``(output_token_ids int64 [B, max_depth + 1], num_accepted int32 [B],
-    accepted_nodes int32 [B, max_depth])``; see the layout in ``specdec.kernels.tree_sample``."""
-    fn = _launcher(_tree_sample, "tree_sample") if use_triton(target_probs) else _tree_sample.tree_sample_reference
-    return fn(
-        node_token_ids, node_parents, cu_num_nodes, draft_probs, target_probs, target_argmax, is_greedy,
-        draft_is_onehot, seeds, positions, max_depth,
-    )  # fmt: skip
-
-
-def block_verify(
-    draft_token_ids: torch.Tensor,
-    cu_num_draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    target_argmax: torch.Tensor,
-    is_greedy: torch.Tensor,
-    draft_is_onehot: torch.Tensor,
-    seeds: torch.Tensor,
-    positions: torch.Tensor,
-    max_num_draft_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    accepted_nodes int32 [B, max_depth])``; arguments and layout in ``specdec.kernels.tree_sample``.""",
+)  # fmt: skip
+block_verify = _verification_op(
+    _block_verify, "block_verify",
     """Block verification (greedy and one-hot rows token-wise), same arguments and outputs as :func:`spec_sample`;
-    see ``specdec.kernels.block_verify``."""
-    use_kernel = use_triton(target_probs)
-    fn = _launcher(_block_verify, "block_verify") if use_kernel else _block_verify.block_verify_reference
-    return fn(
-        draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy, draft_is_onehot,
-        seeds, positions, max_num_draft_tokens,
-    )  # fmt: skip
+    see ``specdec.kernels.block_verify``.""",
+)  # fmt: skip
