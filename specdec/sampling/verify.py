@@ -7,6 +7,7 @@ produced q, the raw-logit argmax for greedy rows, and the flattened draft layout
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,17 +41,13 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal, 
     device = logits.device
     drafts = proposal.token_ids
     # One row per verification position; row j of request b is conditioned on output + drafts[:j].
-    row_params = [s.params for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
-    st = SamplingTensors.from_params(row_params, device)
-    if st.any_penalty:
-        prompts = [s.prompt_token_ids for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)]
-        outputs = [s.output_token_ids + d[:j] for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
-        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], device)
-        logits = apply_penalties(logits, seen, counts, st)
-    target_argmax = greedy(logits)  # (R,) the same argmax plain greedy decoding uses
+    st, logits, target_argmax = _penalised_target(
+        logits,
+        [s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)],
+        (d[:j] for d in drafts for j in range(len(d) + 1)),
+    )
     if st.all_greedy:
-        bad = nonfinite_rows(logits)  # (R,)
-        argmax = _read(target_argmax, bad)  # the round's one host read
+        argmax = _read(target_argmax, nonfinite_rows(logits))  # the round's one host read
         return _verify_greedy(argmax, drafts)
     target_probs, bad = standardize_unchecked(logits, st)  # (R, V); bad rows checked at the read below
     cu = [0]
@@ -75,6 +72,25 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal, 
     out = [flat_out[b * width : (b + 1) * width] for b in range(len(drafts))]
     num_accepted = flat_out[len(drafts) * width :]
     return VerifyResult([row[: n + 1] for row, n in zip(out, num_accepted)], num_accepted)
+
+
+def _penalised_target(
+    logits: torch.Tensor, row_seqs: list[Sequence], row_prefixes: Iterable[list[int]]
+) -> tuple[SamplingTensors, torch.Tensor, torch.Tensor]:
+    """The target side of a round, shared by chains and trees: verification row r belongs to ``row_seqs[r]`` and is
+    conditioned on its output + ``row_prefixes[r]`` (the draft tokens before row r; consumed only when a penalty is
+    on, so a lazy generator costs nothing otherwise).
+
+    Returns ``(st, logits fp32 [R, V] with the per-row penalties applied, target_argmax int64 [R])``; the argmax is
+    the one plain greedy decoding uses.
+    """
+    st = SamplingTensors.from_params([s.params for s in row_seqs], logits.device)
+    if st.any_penalty:
+        outputs = [s.output_token_ids + prefix for s, prefix in zip(row_seqs, row_prefixes, strict=True)]
+        prompts = [s.prompt_token_ids for s in row_seqs]
+        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], logits.device)
+        logits = apply_penalties(logits, seen, counts, st)
+    return st, logits, greedy(logits)
 
 
 def _read(values: torch.Tensor, bad_rows: torch.Tensor) -> list[int]:
@@ -121,14 +137,11 @@ def verify_trees(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProp
     device = logits.device
     trees = proposal.trees
     # row i of request b is conditioned on output + the path to node i
-    row_params = [s.params for s, t in zip(seqs, trees) for _ in t.token_ids]
-    st = SamplingTensors.from_params(row_params, device)
-    if st.any_penalty:
-        prompts = [s.prompt_token_ids for s, t in zip(seqs, trees) for _ in t.token_ids]
-        outputs = [s.output_token_ids + t.path_tokens(i) for s, t in zip(seqs, trees) for i in range(len(t.token_ids))]
-        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], device)
-        logits = apply_penalties(logits, seen, counts, st)
-    target_argmax = greedy(logits)  # (R,)
+    st, logits, target_argmax = _penalised_target(
+        logits,
+        [s for s, t in zip(seqs, trees) for _ in t.token_ids],
+        (t.path_tokens(i) for t in trees for i in range(len(t.token_ids))),
+    )
     if st.all_greedy:
         argmax = _read(target_argmax, nonfinite_rows(logits))  # the round's one host read
         return _verify_trees_greedy(argmax, trees)
