@@ -17,6 +17,7 @@ with SHAPE ``dynamic`` or comma-separated branching factors.
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import specdec
@@ -104,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], []
     for text in configs:
         spec = spec_config(text, args.method, draft, args.k)
+        lookahead = spec.tree_nodes(args.k)
+        blocks = (max(args.batch) + 1) * (-(-(max_len + lookahead + 1) // 16)) + 2  # what this run needs
         llm = specdec.LLM(target, speculative=spec, dtype=args.dtype, max_model_len=max_len, seed=args.seed,
-                          enable_prefix_caching=False, max_num_seqs=max(args.batch))
+                          max_num_seqs=max(args.batch), num_kv_blocks=blocks)  # prefix cache: one prefill per prompt
         for temperature in args.temperature:
             params = specdec.SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=args.seed,
                                             ignore_eos=True)
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                              r["tau_per_verified"], r["acceptance_rate"], r["tokens_per_s"]])
                 print_table(rows[-1:], HEADER)
         del llm
+        gc.collect()
     print()
     print_table(rows, HEADER)
     payload = {"machine": machine_info(), "args": vars(args), "results": results}
