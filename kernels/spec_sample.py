@@ -95,12 +95,29 @@ def _argmax_over_noise(
         q = tl.load(q_row_ptr + offs, mask=tl.where(load_q, in_vocab, False), other=0.0)
         q = tl.where(offs == onehot_token, 1.0, q)
         residual = tl.maximum(p_scale * p - q, 0.0)
-        noise = -tl.log(philox_uniform_tl(seed, position, _STREAM_RESIDUAL, offs))  # Exp(1), finite, > 0
-        score = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
-        better = score > best_score  # strict: the lane's earlier (lower) index wins ties
-        best_index = tl.where(better, offs, best_index)
-        best_score = tl.where(better, score, best_score)
-        max_residual = tl.maximum(max_residual, residual)
+        best_score, best_index, max_residual = _noise_argmax_update(
+            residual, in_vocab, offs, seed, position, best_score, best_index, max_residual
+        )
+    return _noise_argmax_reduce(best_score, best_index, max_residual)
+
+
+@triton.jit
+def _noise_argmax_update(residual, in_vocab, offs, seed, position, best_score, best_index, max_residual):
+    """One chunk (all (BLOCK_V,)) of the running per-lane argmax of ``residual / E`` (E_v = -log(philox(seed,
+    position, STREAM_RESIDUAL, v))) and max of ``residual``; returns the updated (best_score, best_index,
+    max_residual). Shared with tree_sample's ``_residual_argmax``."""
+    noise = -tl.log(philox_uniform_tl(seed, position, _STREAM_RESIDUAL, offs))  # Exp(1), finite, > 0
+    score = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
+    better = score > best_score  # strict: the lane's earlier (lower) index wins ties
+    best_index = tl.where(better, offs, best_index)
+    best_score = tl.where(better, score, best_score)
+    max_residual = tl.maximum(max_residual, residual)
+    return best_score, best_index, max_residual
+
+
+@triton.jit
+def _noise_argmax_reduce(best_score, best_index, max_residual):
+    """(argmax, max residual) across lanes: the lowest index among the lanes holding the best score."""
     top = tl.max(best_score, 0)
     index = tl.min(tl.where(best_score == top, best_index, 0x7FFFFFFF), 0)  # lowest index among the tied lanes
     return index, tl.max(max_residual, 0)

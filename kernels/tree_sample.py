@@ -67,10 +67,16 @@ import torch
 
 from specdec.kernels._triton import tl, triton
 from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
-from specdec.kernels.spec_sample import _finish_row, _request_prologue, check_tensors, with_block_v
+from specdec.kernels.spec_sample import (
+    _finish_row,
+    _noise_argmax_reduce,
+    _noise_argmax_update,
+    _request_prologue,
+    check_tensors,
+    with_block_v,
+)
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
-_STREAM_RESIDUAL: tl.constexpr = tl.constexpr(STREAM_RESIDUAL)
 MAX_SIBLING_SCALE = 1e30  # cap on Z_k / M_k (module docstring)
 _MAX_SIBLING_SCALE: tl.constexpr = tl.constexpr(MAX_SIBLING_SCALE)
 
@@ -145,15 +151,10 @@ def _residual_argmax(p_row_ptr, q_row_ptr, load_q, scale, excluded_ptr, num_excl
         offs = start + lanes
         residual, _, in_vocab = _residual_chunk(p_row_ptr, q_row_ptr, load_q, scale, excluded_ptr, num_excluded,
                                                 offs, vocab_size)  # fmt: skip
-        noise = -tl.log(philox_uniform_tl(seed, position, _STREAM_RESIDUAL, offs))  # Exp(1), finite, > 0
-        score = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
-        better = score > best_score  # strict: the lane's earlier (lower) index wins ties
-        best_index = tl.where(better, offs, best_index)
-        best_score = tl.where(better, score, best_score)
-        max_residual = tl.maximum(max_residual, residual)
-    top = tl.max(best_score, 0)
-    index = tl.min(tl.where(best_score == top, best_index, 0x7FFFFFFF), 0)  # lowest index among the tied lanes
-    return index, tl.max(max_residual, 0)
+        best_score, best_index, max_residual = _noise_argmax_update(
+            residual, in_vocab, offs, seed, position, best_score, best_index, max_residual
+        )
+    return _noise_argmax_reduce(best_score, best_index, max_residual)
 
 
 @triton.jit(do_not_specialize=["max_depth"])
