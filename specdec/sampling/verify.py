@@ -61,10 +61,7 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProposal, 
         proposal.probs,
         target_probs,
         target_argmax,
-        torch.tensor([s.params.is_greedy for s in seqs], dtype=torch.bool, device=device),
-        torch.tensor(proposal.is_onehot, dtype=torch.bool, device=device),
-        torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
-        torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
+        *_request_tensors(seqs, proposal, device),  # is_greedy, draft_is_onehot, seeds, positions
         max(len(d) for d in drafts),
     )
     width = out.shape[1]
@@ -91,6 +88,19 @@ def _penalised_target(
         seen, counts = penalty_context(prompts, outputs, logits.shape[-1], logits.device)
         logits = apply_penalties(logits, seen, counts, st)
     return st, logits, greedy(logits)
+
+
+def _request_tensors(
+    seqs: list[Sequence], proposal: DraftProposal, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-request inputs of the verification ops: ``(is_greedy bool [B], draft_is_onehot bool [B],
+    seeds int64 [B], positions int64 [B])``; a request's first draft sits at its ``num_tokens``."""
+    return (
+        torch.tensor([s.params.is_greedy for s in seqs], dtype=torch.bool, device=device),
+        torch.tensor(proposal.is_onehot, dtype=torch.bool, device=device),
+        torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
+        torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
+    )
 
 
 def _read(values: torch.Tensor, bad_rows: torch.Tensor) -> list[int]:
@@ -157,10 +167,7 @@ def verify_trees(logits: torch.Tensor, seqs: list[Sequence], proposal: DraftProp
         proposal.probs,
         target_probs,
         target_argmax,
-        torch.tensor([s.params.is_greedy for s in seqs], dtype=torch.bool, device=device),
-        torch.tensor(proposal.is_onehot, dtype=torch.bool, device=device),
-        torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
-        torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
+        *_request_tensors(seqs, proposal, device),  # is_greedy, draft_is_onehot, seeds, positions
         max_depth,
     )
     flat = _read(torch.cat([out.flatten(), num_accepted.long(), nodes.long().flatten()]), bad)  # one host read
