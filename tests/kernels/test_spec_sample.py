@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from verify_helpers import (
+    COMMON_BAD_INPUTS,
+    DEVICES,
+    check_bad_input,
+    check_ops_dispatch,
+    make_cu,
+    onehot_probs,
+    to_device,
+    with_changes,
+)
 
 from specdec import ops
 from specdec.kernels.spec_sample import spec_sample, spec_sample_config, spec_sample_reference
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def make_cu(num_drafts: list[int], device="cpu") -> torch.Tensor:
-    cu = torch.zeros(len(num_drafts) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(num_drafts, dtype=torch.int64).cumsum(0)
-    return cu.to(device)
 
 
 def random_batch(num_drafts: list[int], vocab: int, seed: int, device="cpu", greedy_frac=0.3, onehot_frac=0.3):
@@ -53,7 +55,7 @@ def random_batch(num_drafts: list[int], vocab: int, seed: int, device="cpu", gre
         "positions": torch.randint(0, 1 << 40, (batch,), generator=gen),
         "max_num_draft_tokens": max(num_drafts, default=0),
     }
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return to_device(args, device)
 
 
 def run_both(args, block_v=None):
@@ -108,13 +110,6 @@ def test_all_onehot_without_draft_probs(device):
     check_invariants(out, acc, args)
 
 
-def onehot_probs(tokens: list[int], vocab: int) -> torch.Tensor:
-    """Rows of softmax over +-100 logits: exactly one-hot in fp32 (exp(-200) underflows to 0)."""
-    logits = torch.full((len(tokens), vocab), -100.0)
-    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 100.0
-    return torch.softmax(logits, dim=-1)
-
-
 # (draft tokens per request, target's token at positions 0..k per request, expected output row)
 EXACT_CASES = {
     "all-accepted": ([[3, 1, 4]], [[3, 1, 4, 5]], [[3, 1, 4, 5]]),
@@ -129,10 +124,9 @@ EXACT_CASES = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["greedy", "sampled-model", "sampled-onehot"])
-@pytest.mark.parametrize("case", list(EXACT_CASES))
-def test_exact_onehot_targets(device, kind, case):
+def check_exact_case(run, case: str, kind: str, device) -> None:
+    """``run(args) -> (out, acc, ref_out, ref_acc)`` on ``EXACT_CASES[case]`` with one-hot targets: kernel and
+    reference emit exactly the expected rows, for every row ``kind`` (greedy, sampled-model, sampled-onehot)."""
     drafts, targets, expected = EXACT_CASES[case]
     vocab, batch = 10, len(drafts)
     target_tokens = [t for row in targets for t in row]
@@ -150,28 +144,31 @@ def test_exact_onehot_targets(device, kind, case):
         "positions": torch.arange(batch, dtype=torch.int64) * 100,
         "max_num_draft_tokens": max(len(row) for row in drafts),
     }
-    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     expected = torch.tensor(expected, dtype=torch.int64)
     expected_accepted = ((expected != -1).sum(dim=1) - 1).int()
-    out, acc, ref_out, ref_acc = run_both(args)
+    out, acc, ref_out, ref_acc = run(to_device(args, device))
     for name, (o, a) in {"kernel": (out, acc), "reference": (ref_out, ref_acc)}.items():
         assert torch.equal(o.cpu(), expected), f"{name}: {o.tolist()} != {expected.tolist()}"
         assert torch.equal(a.cpu(), expected_accepted), f"{name}: accepted {a.tolist()}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_all_zero_residual_falls_back_to_p(device):
-    """q = 2p >= p everywhere: drafts are rejected half the time and max(p - q, 0) is all zero, so the token
-    must come from p itself (here one-hot at the drafted token, so every emitted token is that token)."""
-    num_drafts, vocab = [3, 5, 2, 4, 6, 1], 40
+@pytest.mark.parametrize("kind", ["greedy", "sampled-model", "sampled-onehot"])
+@pytest.mark.parametrize("case", list(EXACT_CASES))
+def test_exact_onehot_targets(device, kind, case):
+    check_exact_case(run_both, case, kind, device)
+
+
+def zero_residual_args(num_drafts: list[int], vocab: int, device) -> tuple[dict, torch.Tensor]:
+    """Sampled rows with one-hot p and q = 2p at every draft (so max(w p - q, 0) is all zero for w <= 1):
+    ``(args, target token per target row int64 [N + B])``."""
     tokens = (torch.arange(sum(num_drafts) + len(num_drafts)) * 7 + 3) % vocab  # target token per row
     target_probs = onehot_probs(tokens.tolist(), vocab)
-    cu = make_cu(num_drafts)
     rows = torch.arange(len(num_drafts)).repeat_interleave(torch.tensor(num_drafts))
     draft_rows = torch.arange(sum(num_drafts)) + rows  # target row of each draft
     args = {
         "draft_token_ids": tokens[draft_rows],
-        "cu_num_draft_tokens": cu,
+        "cu_num_draft_tokens": make_cu(num_drafts),
         "draft_probs": 2.0 * target_probs[draft_rows],
         "target_probs": target_probs,
         "target_argmax": tokens,
@@ -181,28 +178,43 @@ def test_all_zero_residual_falls_back_to_p(device):
         "positions": torch.zeros(len(num_drafts), dtype=torch.int64),
         "max_num_draft_tokens": max(num_drafts),
     }
-    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-    out, acc, ref_out, ref_acc = run_both(args)
-    assert torch.equal(out, ref_out) and torch.equal(acc, ref_acc)
-    check_invariants(out, acc, args)
-    assert (acc.cpu() < torch.tensor(num_drafts)).any(), "some draft must be rejected for the test to mean anything"
+    return to_device(args, device), tokens
+
+
+def check_emitted_from_p(out: torch.Tensor, acc: torch.Tensor, num_drafts: list[int], tokens: torch.Tensor) -> None:
+    """Each row's last token is the (one-hot) target's token at that position: it was drawn from p."""
+    cu = make_cu(num_drafts)
     for b in range(len(num_drafts)):
         n = int(acc[b])
         assert out[b, n] == tokens[cu[b] + b + n], f"row {b}: the fallback did not sample from p"
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_seeded_determinism_and_batch_independence(device):
+def test_all_zero_residual_falls_back_to_p(device):
+    """q = 2p >= p everywhere: drafts are rejected half the time and max(p - q, 0) is all zero, so the token
+    must come from p itself (here one-hot at the drafted token, so every emitted token is that token)."""
+    num_drafts = [3, 5, 2, 4, 6, 1]
+    args, tokens = zero_residual_args(num_drafts, vocab=40, device=device)
+    out, acc, ref_out, ref_acc = run_both(args)
+    assert torch.equal(out, ref_out) and torch.equal(acc, ref_acc)
+    check_invariants(out, acc, args)
+    assert (acc.cpu() < torch.tensor(num_drafts)).any(), "some draft must be rejected for the test to mean anything"
+    check_emitted_from_p(out, acc, num_drafts, tokens)
+
+
+def check_seeded_determinism(fn, device, **fractions) -> None:
+    """``fn`` (a chain launcher) gives the same tokens for the same seeds, a row's tokens do not depend on its
+    batch, and another seed changes them. ``fractions``: ``random_batch``'s greedy_frac / onehot_frac."""
     num_drafts = [4, 0, 7, 2, 8, 1]
-    args = random_batch(num_drafts, vocab=97, seed=3, device=device, greedy_frac=0.0)
-    out, acc = spec_sample(**args)
-    out_again, acc_again = spec_sample(**args)
+    args = random_batch(num_drafts, vocab=97, seed=3, device=device, **fractions)
+    out, acc = fn(**args)
+    out_again, acc_again = fn(**args)
     assert torch.equal(out, out_again) and torch.equal(acc, acc_again), "same seeds must give the same tokens"
 
     # Rows reversed and a row alone: each row's tokens depend only on its own inputs, not on its batch row.
     for order in ([5, 4, 3, 2, 1, 0], [2], [4, 2]):
         sub = select_rows(args, order)
-        sub_out, sub_acc = spec_sample(**sub)
+        sub_out, sub_acc = fn(**sub)
         for i, b in enumerate(order):
             width = num_drafts[b] + 1
             assert torch.equal(sub_out[i, :width], out[b, :width]), f"row {b} changed when batched as {order}"
@@ -210,7 +222,12 @@ def test_seeded_determinism_and_batch_independence(device):
 
     # A different seed changes the residual/bonus draws (flat p, so the tokens almost surely differ).
     reseeded = dict(args, seeds=args["seeds"] + 1)
-    assert not torch.equal(spec_sample(**reseeded)[0], out)
+    assert not torch.equal(fn(**reseeded)[0], out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_determinism_and_batch_independence(device):
+    check_seeded_determinism(spec_sample, device, greedy_frac=0.0)
 
 
 def select_rows(args, order: list[int]):
@@ -236,23 +253,23 @@ def select_rows(args, order: list[int]):
 
 
 def test_ops_dispatch_matches_kernel():
-    args = random_batch([2, 5, 0], vocab=50, seed=11)
-    ref = ops.spec_sample(**args)  # CPU tensors: the reference
-    with ops.force_triton():
-        kernel = ops.spec_sample(**args)
-    assert torch.equal(ref[0], kernel[0]) and torch.equal(ref[1], kernel[1])
+    check_ops_dispatch(ops.spec_sample, random_batch([2, 5, 0], vocab=50, seed=11))
 
 
-def test_empty_batch_and_config():
+def empty_chain_args() -> dict:
+    """The arguments of an empty batch (B = 0, N = 0, V = 16)."""
     empty_long = torch.zeros(0, dtype=torch.int64)
-    args = {
+    return {
         "draft_token_ids": empty_long, "cu_num_draft_tokens": torch.zeros(1, dtype=torch.int32),
         "draft_probs": torch.zeros(0, 16), "target_probs": torch.zeros(0, 16), "target_argmax": empty_long,
         "is_greedy": torch.zeros(0, dtype=torch.bool), "draft_is_onehot": torch.zeros(0, dtype=torch.bool),
         "seeds": empty_long, "positions": empty_long, "max_num_draft_tokens": 0,
     }  # fmt: skip
+
+
+def test_empty_batch_and_config():
     for fn in (spec_sample, spec_sample_reference):
-        out, acc = fn(**args)
+        out, acc = fn(**empty_chain_args())
         assert out.shape == (0, 1) and acc.shape == (0,)
     assert spec_sample_config(111).block_v == 128
     assert spec_sample_config(151936).block_v == 2048
@@ -260,36 +277,30 @@ def test_empty_batch_and_config():
         spec_sample_config(0)
 
 
-def _bad(args, **changes):
-    return dict(args, **changes)
-
-
 BAD_INPUTS = {
-    "cu-int64": (lambda a: _bad(a, cu_num_draft_tokens=a["cu_num_draft_tokens"].long()), "cu_num_draft_tokens"),
-    "drafts-int32": (lambda a: _bad(a, draft_token_ids=a["draft_token_ids"].int()), "draft_token_ids"),
-    "probs-fp16": (lambda a: _bad(a, target_probs=a["target_probs"].half()), "target_probs"),
-    "target-rows": (lambda a: _bad(a, target_probs=a["target_probs"][:-1]), "target_probs"),
-    "draft-vocab": (lambda a: _bad(a, draft_probs=a["draft_probs"][:, :-1]), "draft_probs"),
-    "argmax-rows": (lambda a: _bad(a, target_argmax=a["target_argmax"][:-1]), "target_argmax"),
-    "greedy-int": (lambda a: _bad(a, is_greedy=a["is_greedy"].int()), "is_greedy"),
-    "seeds-batch": (lambda a: _bad(a, seeds=a["seeds"][:-1]), "seeds"),
-    "non-contiguous": (lambda a: _bad(a, target_probs=a["target_probs"].t().contiguous().t()), "contiguous"),
-    "max-k-too-small": (lambda a: _bad(a, max_num_draft_tokens=2), "max_num_draft_tokens"),
-    "max-k-negative": (lambda a: _bad(a, max_num_draft_tokens=-1), "max_num_draft_tokens"),
+    "cu-int64": (lambda a: with_changes(a, cu_num_draft_tokens=a["cu_num_draft_tokens"].long()),
+                 "cu_num_draft_tokens"),
+    "drafts-int32": (lambda a: with_changes(a, draft_token_ids=a["draft_token_ids"].int()), "draft_token_ids"),
+    **COMMON_BAD_INPUTS,
+    "max-k-too-small": (lambda a: with_changes(a, max_num_draft_tokens=2), "max_num_draft_tokens"),
+    "max-k-negative": (lambda a: with_changes(a, max_num_draft_tokens=-1), "max_num_draft_tokens"),
     "draft-out-of-vocab": (
-        lambda a: _bad(a, draft_token_ids=torch.where(torch.arange(5) == 1, 10**6, a["draft_token_ids"])),
+        lambda a: with_changes(a, draft_token_ids=torch.where(torch.arange(5) == 1, 10**6, a["draft_token_ids"])),
         "draft_token_ids",
     ),
-    "cu-wrong-total": (lambda a: _bad(a, cu_num_draft_tokens=a["cu_num_draft_tokens"] - 1), "cu_num_draft_tokens"),
-    "none-needs-onehot": (lambda a: _bad(a, draft_probs=None), "one-hot"),
-}
+    "cu-wrong-total": (lambda a: with_changes(a, cu_num_draft_tokens=a["cu_num_draft_tokens"] - 1),
+                       "cu_num_draft_tokens"),
+}  # fmt: skip
+
+
+def bad_input_batch() -> dict:
+    """The batch the bad-input cases spoil: 5 drafts (the out-of-vocab case indexes draft 1), no one-hot rows."""
+    args = random_batch([1, 3, 1], vocab=12, seed=5, onehot_frac=0.0)
+    assert args["draft_token_ids"].numel() == 5
+    return args
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 @pytest.mark.parametrize("fn", [spec_sample, spec_sample_reference], ids=["launcher", "reference"])
 def test_validation_errors(fn, case):
-    args = random_batch([1, 3, 1], vocab=12, seed=5, onehot_frac=0.0)
-    assert args["draft_token_ids"].numel() == 5
-    make_bad, match = BAD_INPUTS[case]
-    with pytest.raises(ValueError, match=match):
-        fn(**make_bad(args))
+    check_bad_input(fn, bad_input_batch(), BAD_INPUTS, case)

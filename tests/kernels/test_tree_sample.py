@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from verify_helpers import (
+    COMMON_BAD_INPUTS,
+    DEVICES,
+    check_bad_input,
+    check_ops_dispatch,
+    make_cu,
+    onehot_probs,
+    to_device,
+    with_changes,
+)
 
 from specdec import ops
 from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
 from specdec.kernels.spec_sample import spec_sample, spec_sample_reference
 from specdec.kernels.tree_sample import tree_sample, tree_sample_config, tree_sample_reference
-
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def make_cu(sizes: list[int], device="cpu") -> torch.Tensor:
-    cu = torch.zeros(len(sizes) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(sizes, dtype=torch.int64).cumsum(0)
-    return cu.to(device)
 
 
 def random_parents(num_drafts: int, gen: torch.Generator) -> list[int]:
@@ -90,7 +92,7 @@ def random_tree_batch(trees: list[list[int]], vocab: int, seed: int, kinds: list
         "positions": torch.randint(0, 1 << 40, (batch,), generator=gen),
         "max_depth": max(max(depths_of(p)) for p in trees),
     }
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return to_device(args, device)
 
 
 def check_invariants(out, acc, nodes, args) -> None:
@@ -213,7 +215,7 @@ def spec_batch(num_drafts: list[int], vocab: int, seed: int, device="cpu"):
         "positions": torch.randint(0, 1 << 40, (batch,), generator=gen),
         "max_num_draft_tokens": max(num_drafts),
     }
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    return to_device(args, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -279,13 +281,6 @@ def test_greedy_follows_argmax_child_and_takes_the_longest_accepted_path(device)
     assert longest >= 2
 
 
-def onehot_rows(tokens: list[int], vocab: int) -> torch.Tensor:
-    """Exactly one-hot fp32 rows (softmax of +-100 logits)."""
-    logits = torch.full((len(tokens), vocab), -100.0)
-    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 100.0
-    return torch.softmax(logits, dim=-1)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["sampled", "onehot", "greedy"])
 def test_exact_onehot_target(device, kind):
@@ -299,12 +294,12 @@ def test_exact_onehot_target(device, kind):
     q = torch.full((len(tokens), vocab), 1.0 / vocab)  # uniform draft (sampled children have q > 0)
     args = {
         "node_token_ids": torch.tensor(tokens), "node_parents": torch.tensor(parents, dtype=torch.int32),
-        "cu_num_nodes": make_cu([len(tokens)]), "draft_probs": q, "target_probs": onehot_rows(target, vocab),
+        "cu_num_nodes": make_cu([len(tokens)]), "draft_probs": q, "target_probs": onehot_probs(target, vocab),
         "target_argmax": torch.tensor(target), "is_greedy": torch.tensor([kind == "greedy"]),
         "draft_is_onehot": torch.tensor([kind == "onehot"]), "seeds": torch.tensor([123]),
         "positions": torch.tensor([10]), "max_depth": 2,
     }  # fmt: skip
-    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    args = to_device(args, device)
     for result in run_both(args):
         out, acc, nodes = (t.cpu() for t in result)
         assert out.tolist() == [[2, 6, 1]] and acc.tolist() == [2] and nodes.tolist() == [[4, 5]], (
@@ -318,7 +313,7 @@ def test_all_zero_residual_falls_back_to_p(device):
     vocab, batch = 16, 12
     trees = [[-1, 0]] * batch
     target_tokens = [(3 * b) % vocab for b in range(batch) for _ in range(2)]
-    p = onehot_rows(target_tokens, vocab)
+    p = onehot_probs(target_tokens, vocab)
     tokens = torch.tensor(target_tokens)  # each child is the target's token
     args = {
         "node_token_ids": tokens, "node_parents": torch.tensor([-1, 0] * batch, dtype=torch.int32),
@@ -327,7 +322,7 @@ def test_all_zero_residual_falls_back_to_p(device):
         "draft_is_onehot": torch.zeros(batch, dtype=torch.bool), "seeds": torch.arange(batch) + 5,
         "positions": torch.zeros(batch, dtype=torch.int64), "max_depth": 1,
     }  # fmt: skip
-    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    args = to_device(args, device)
     kernel, reference = run_both(args)
     assert_same(kernel, reference)
     out, acc = reference[0].cpu(), reference[1].cpu()
@@ -345,7 +340,7 @@ def test_later_sibling_outside_the_draft_support(device):
     parents = [-1, 0, 0]
     gen = torch.Generator().manual_seed(3)
     p = torch.softmax(torch.randn(3 * batch, vocab, generator=gen), -1)
-    q = onehot_rows([0, 0, 0] * batch, vocab)  # the root's q: all mass on token 0
+    q = onehot_probs([0, 0, 0] * batch, vocab)  # the root's q: all mass on token 0
     args = {
         "node_token_ids": torch.tensor([5, 0, 1] * batch),
         "node_parents": torch.tensor(parents * batch, dtype=torch.int32),
@@ -353,7 +348,7 @@ def test_later_sibling_outside_the_draft_support(device):
         "is_greedy": torch.zeros(batch, dtype=torch.bool), "draft_is_onehot": torch.zeros(batch, dtype=torch.bool),
         "seeds": torch.arange(batch) * 31, "positions": torch.arange(batch) * 3, "max_depth": 1,
     }  # fmt: skip
-    args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    args = to_device(args, device)
     kernel, reference = run_both(args)
     assert_same(kernel, reference)
     out, acc, nodes = (t.cpu() for t in reference)
@@ -383,10 +378,7 @@ def test_seeded_determinism_and_batch_independence(device):
 
 def test_ops_dispatch_matches_kernel():
     args = random_tree_batch(SHAPES, 19, seed=2, kinds=["sampled", "onehot", "greedy", "sampled", "onehot"])
-    reference = ops.tree_sample(**args)  # CPU tensors: the reference
-    with ops.force_triton():
-        kernel = ops.tree_sample(**args)
-    assert_same(kernel, reference)
+    check_ops_dispatch(ops.tree_sample, args)
 
 
 def test_empty_batch_and_roots_only():
@@ -421,10 +413,6 @@ def test_sampled_drafts_from_the_drafter_stream_are_distinct():
     assert all(len(set(row)) == 5 for row in top.tolist())
 
 
-def _bad(args, **changes):
-    return dict(args, **changes)
-
-
 def _set(tensor, index, value):
     tensor = tensor.clone()
     tensor[index] = value
@@ -433,27 +421,24 @@ def _set(tensor, index, value):
 
 # request 0: [-1, 0, 0, 0] (nodes 0-3), request 1: [-1, 0, 1, 1, 0, 4, 0] (nodes 4-10)
 BAD_INPUTS = {
-    "cu-int64": (lambda a: _bad(a, cu_num_nodes=a["cu_num_nodes"].long()), "cu_num_nodes"),
-    "tokens-int32": (lambda a: _bad(a, node_token_ids=a["node_token_ids"].int()), "node_token_ids"),
-    "parents-int64": (lambda a: _bad(a, node_parents=a["node_parents"].long()), "node_parents"),
-    "probs-fp16": (lambda a: _bad(a, target_probs=a["target_probs"].half()), "target_probs"),
-    "target-rows": (lambda a: _bad(a, target_probs=a["target_probs"][:-1]), "target_probs"),
-    "draft-vocab": (lambda a: _bad(a, draft_probs=a["draft_probs"][:, :-1]), "draft_probs"),
-    "argmax-rows": (lambda a: _bad(a, target_argmax=a["target_argmax"][:-1]), "target_argmax"),
-    "greedy-int": (lambda a: _bad(a, is_greedy=a["is_greedy"].int()), "is_greedy"),
-    "seeds-batch": (lambda a: _bad(a, seeds=a["seeds"][:-1]), "seeds"),
-    "non-contiguous": (lambda a: _bad(a, target_probs=a["target_probs"].t().contiguous().t()), "contiguous"),
-    "max-depth-negative": (lambda a: _bad(a, max_depth=-1), "max_depth"),
-    "max-depth-too-small": (lambda a: _bad(a, max_depth=1), "max_depth"),
-    "token-out-of-vocab": (lambda a: _bad(a, node_token_ids=_set(a["node_token_ids"], 2, 10**6)), "node_token_ids"),
-    "root-parent": (lambda a: _bad(a, node_parents=_set(a["node_parents"], 4, 0)), "root"),
-    "parent-later-node": (lambda a: _bad(a, node_parents=_set(a["node_parents"], 5, 3)), "earlier node"),
-    "not-dfs": (lambda a: _bad(a, node_parents=_set(a["node_parents"], 9, 1)), "DFS"),
-    "sibling-tokens": (lambda a: _bad(a, node_token_ids=_set(a["node_token_ids"], 2, int(a["node_token_ids"][1]))),
-                       "sibling"),
-    "cu-empty-request": (lambda a: _bad(a, cu_num_nodes=torch.tensor([0, 0, 11], dtype=torch.int32)), "root"),
-    "cu-wrong-total": (lambda a: _bad(a, cu_num_nodes=torch.tensor([0, 4, 10], dtype=torch.int32)), "cu_num_nodes"),
-    "none-needs-onehot": (lambda a: _bad(a, draft_probs=None), "one-hot"),
+    "cu-int64": (lambda a: with_changes(a, cu_num_nodes=a["cu_num_nodes"].long()), "cu_num_nodes"),
+    "tokens-int32": (lambda a: with_changes(a, node_token_ids=a["node_token_ids"].int()), "node_token_ids"),
+    "parents-int64": (lambda a: with_changes(a, node_parents=a["node_parents"].long()), "node_parents"),
+    **COMMON_BAD_INPUTS,  # includes "none-needs-onehot"
+    "max-depth-negative": (lambda a: with_changes(a, max_depth=-1), "max_depth"),
+    "max-depth-too-small": (lambda a: with_changes(a, max_depth=1), "max_depth"),
+    "token-out-of-vocab": (lambda a: with_changes(a, node_token_ids=_set(a["node_token_ids"], 2, 10**6)),
+                           "node_token_ids"),
+    "root-parent": (lambda a: with_changes(a, node_parents=_set(a["node_parents"], 4, 0)), "root"),
+    "parent-later-node": (lambda a: with_changes(a, node_parents=_set(a["node_parents"], 5, 3)), "earlier node"),
+    "not-dfs": (lambda a: with_changes(a, node_parents=_set(a["node_parents"], 9, 1)), "DFS"),
+    "sibling-tokens": (
+        lambda a: with_changes(a, node_token_ids=_set(a["node_token_ids"], 2, int(a["node_token_ids"][1]))),
+        "sibling",
+    ),
+    "cu-empty-request": (lambda a: with_changes(a, cu_num_nodes=torch.tensor([0, 0, 11], dtype=torch.int32)), "root"),
+    "cu-wrong-total": (lambda a: with_changes(a, cu_num_nodes=torch.tensor([0, 4, 10], dtype=torch.int32)),
+                       "cu_num_nodes"),
 }
 
 
@@ -461,6 +446,4 @@ BAD_INPUTS = {
 @pytest.mark.parametrize("fn", [tree_sample, tree_sample_reference], ids=["launcher", "reference"])
 def test_validation_errors(fn, case):
     args = random_tree_batch([SHAPES[1], SHAPES[2]], 12, seed=5, kinds=["sampled", "sampled"])
-    make_bad, match = BAD_INPUTS[case]
-    with pytest.raises(ValueError, match=match):
-        fn(**make_bad(args))
+    check_bad_input(fn, args, BAD_INPUTS, case)
