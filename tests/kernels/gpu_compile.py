@@ -231,6 +231,47 @@ def format_table(reports: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def verification_launches(vocabs: Iterable[int], config_fn, launch_args, **constexprs) -> list[tuple]:
+    """The launches of a speculative verification kernel (spec_sample, block_verify, tree_sample) for
+    :func:`assert_compiles_without_spills`: per vocabulary, the launcher's own ``config_fn(vocab)`` (``block_v``,
+    ``num_warps``), with and without draft probabilities (one-hot drafters compile the other branch).
+    ``launch_args(vocab, has_draft_probs)`` gives the kernel arguments; ``constexprs`` the other constexprs."""
+    launches = []
+    for vocab in vocabs:
+        config = config_fn(vocab)
+        for has_draft_probs in (True, False):
+            consts = {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK_V": config.block_v, **constexprs}
+            launches.append(({"vocab": vocab}, launch_args(vocab, has_draft_probs), consts, config.num_warps))
+    return launches
+
+
+def assert_compiles_without_spills(
+    module: str,
+    kernel: str,
+    launches: Iterable[tuple[dict, dict, dict, int]],
+    columns: Sequence[str],
+    archs: Iterable[int] = (80, 90),
+    max_shared: int = 160 * 1024,
+) -> None:
+    """Compile ``module.kernel`` for every launch ``(labels, args, constexprs, num_warps)`` (``job_from_launch``'s
+    arguments, 3 stages) on every arch; print the table (``columns``: labels / constexprs) and assert each compiles
+    with no spill and at most ``max_shared`` bytes of shared memory."""
+    labels, jobs = [], []
+    for label, args, constexprs, num_warps in launches:
+        for arch in archs:
+            labels.append(label)
+            jobs.append(job_from_launch(module, kernel, args, constexprs, num_warps, 3, arch))
+    # identical jobs (e.g. vocabularies that share a config) are compiled once and share a report: copy to label
+    reports = [dict(report, **label) for label, report in zip(labels, compile_reports(jobs, workers=2))]
+    print("\n" + format_table(reports, columns))
+    for report in reports:
+        where = " ".join(f"{c}={report['constexprs'].get(c, report.get(c))}" for c in columns)
+        where = f"{where} sm_{report['arch']}"
+        assert report["error"] is None, f"{where}:\n{report['error']}"
+        assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{where}: spills"
+        assert report["shared"] <= max_shared, f"{where}: {report['shared']} bytes of shared memory"
+
+
 def job_key(job: CompileJob) -> str:
     """A hashable identity of a job (jobs hold dicts, so they are not hashable themselves)."""
     d = dataclasses.asdict(job)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import torch
 import triton
-from gpu_compile import compile_reports, format_table, job_from_launch
+from gpu_compile import assert_compiles_without_spills, verification_launches
 
 from specdec.kernels.spec_sample import spec_sample_config
 
 VOCABS = (49152, 128256, 151936)
 ARCHS = (80, 90)
 MAX_SHARED = 160 * 1024
+COLUMNS = ["vocab", "HAS_DRAFT_PROBS", "BLOCK_V", "BLOCK_K"]
 BATCH, MAX_K = 64, 8
 
 
@@ -44,23 +45,11 @@ def launch_args(vocab: int, has_draft_probs: bool) -> dict:
     }
 
 
+def chain_launches():
+    """spec_sample's launches (block_verify shares them: same config, arguments and layout)."""
+    return verification_launches(VOCABS, spec_sample_config, launch_args, BLOCK_K=triton.next_power_of_2(MAX_K + 1))
+
+
 def test_spec_sample_compiles_without_spills():
-    labels, jobs = [], []
-    for vocab in VOCABS:
-        config = spec_sample_config(vocab)  # the launcher's own choice
-        for has_draft_probs in (True, False):
-            constexprs = {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK_V": config.block_v,
-                          "BLOCK_K": triton.next_power_of_2(MAX_K + 1)}  # fmt: skip
-            for arch in ARCHS:
-                labels.append(vocab)
-                jobs.append(job_from_launch("specdec.kernels.spec_sample", "_spec_sample_kernel",
-                                            launch_args(vocab, has_draft_probs), constexprs, config.num_warps, 3,
-                                            arch))  # fmt: skip
-    # identical jobs (the vocabularies share a config) are compiled once and share a report: copy before labelling
-    reports = [dict(report, vocab=vocab) for vocab, report in zip(labels, compile_reports(jobs, workers=2))]
-    print("\n" + format_table(reports, ["vocab", "HAS_DRAFT_PROBS", "BLOCK_V", "BLOCK_K"]))
-    for report in reports:
-        where = f"vocab {report['vocab']} sm_{report['arch']} HAS_DRAFT_PROBS={report['constexprs']['HAS_DRAFT_PROBS']}"
-        assert report["error"] is None, f"{where}:\n{report['error']}"
-        assert report["spill_stores"] == 0 and report["spill_loads"] == 0, f"{where}: spills"
-        assert report["shared"] <= MAX_SHARED, f"{where}: {report['shared']} bytes of shared memory"
+    assert_compiles_without_spills("specdec.kernels.spec_sample", "_spec_sample_kernel", chain_launches(), COLUMNS,
+                                   ARCHS, MAX_SHARED)  # fmt: skip
