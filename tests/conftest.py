@@ -44,3 +44,15 @@ def tiny_pair_plain(tiny_pair):
     import specdec
 
     return specdec.LLM(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def pair(tiny_pair):
+    """``tiny_pair`` under the short name the speculative engine tests use (a module may define its own)."""
+    return tiny_pair
+
+
+@pytest.fixture(scope="session")
+def plain(tiny_pair_plain):
+    """``tiny_pair_plain`` under the short name the speculative engine tests use."""
+    return tiny_pair_plain

@@ -13,6 +13,8 @@ from test_spec_lossless import (
     N,
     check,
     exact_joint,
+    lossless_llm,
+    memoised,
     model_dirs,  # noqa: F401 - the module's fixture, shared
     run,
     target_prefix_logits,
@@ -38,16 +40,8 @@ def prefix_logits(model_dirs):  # noqa: F811
 def make_llm(model_dirs):  # noqa: F811
     """``make_llm(k)``: the speculative LLM with block verification and k drafts per round."""
     target, draft = model_dirs
-    llms = {}
-
-    def make(k: int):
-        if k not in llms:
-            spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=k, verify="block")
-            llms[k] = specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
-                                  kv_cache_memory_gb=0.02, speculative=spec)
-        return llms[k]
-
-    return make
+    return memoised(lambda k: lossless_llm(target, SpeculativeConfig(draft_model=draft, num_speculative_tokens=k,
+                                                                     verify="block")))  # fmt: skip
 
 
 @pytest.fixture

@@ -13,16 +13,6 @@ TOP = 5
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_pair):
-    return tiny_pair
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_pair_plain):
-    return tiny_pair_plain
-
-
-@pytest.fixture(scope="module")
 def hf_model(pair):
     import transformers
 

@@ -8,16 +8,6 @@ from specdec import SamplingParams, SpeculativeConfig
 from specdec.engine.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    return tiny_pair
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_pair_plain):
-    return tiny_pair_plain
-
-
 def repetitive_prompts(n, seed=0):
     gen = torch.Generator().manual_seed(seed)
     out = []

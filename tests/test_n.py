@@ -11,16 +11,6 @@ from specdec.sampling.params import MAX_SEED, child_seed
 
 
 @pytest.fixture(scope="module")
-def pair(tiny_pair):
-    return tiny_pair
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_pair_plain):
-    return tiny_pair_plain
-
-
-@pytest.fixture(scope="module")
 def spec(pair):
     # Without prefix caching: a prompt found whole in the cache starts with a speculative round instead of a plain
     # prefill step, and a seeded speculative request reproduces only while it is granted the same k each step

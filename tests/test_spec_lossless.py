@@ -101,20 +101,30 @@ def prefix_logits(model_dirs) -> dict[tuple[int, ...], torch.Tensor]:
     return target_prefix_logits(model_dirs[0], PROMPT, MAX_M)
 
 
+def lossless_llm(target: str, spec: specdec.SpeculativeConfig) -> specdec.LLM:
+    """The fp32 speculative LLM of the lossless tests (tiny KV cache, up to 256 requests per batch)."""
+    return specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
+                       kv_cache_memory_gb=0.02, speculative=spec)  # fmt: skip
+
+
+def memoised(build):
+    """``make(*key)``: ``build(*key)`` made once per key (one LLM per configuration for a whole module)."""
+    made = {}
+
+    def make(*key):
+        if key not in made:
+            made[key] = build(*key)
+        return made[key]
+
+    return make
+
+
 @pytest.fixture(scope="module")
 def make_llm(model_dirs):
     """``make_llm(k)``: the speculative LLM with k drafts per round (one per k for the whole module)."""
     target, draft = model_dirs
-    llms = {}
-
-    def make(k: int):
-        if k not in llms:
-            llms[k] = specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
-                                  kv_cache_memory_gb=0.02,
-                                  speculative=specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=k))
-        return llms[k]
-
-    return make
+    return memoised(lambda k: lossless_llm(target, specdec.SpeculativeConfig(draft_model=draft,
+                                                                             num_speculative_tokens=k)))  # fmt: skip
 
 
 def oracle_distribution(logits: torch.Tensor, context: list[int], output: list[int], cfg: dict) -> torch.Tensor:

@@ -36,7 +36,16 @@ from collections import Counter
 
 import pytest
 import torch
-from test_spec_lossless import CONFIGS, check, exact_joint, model_dirs, run, target_prefix_logits  # noqa: F401
+from test_spec_lossless import (  # noqa: F401 - model_dirs: the module's fixture, shared
+    CONFIGS,
+    check,
+    exact_joint,
+    lossless_llm,
+    memoised,
+    model_dirs,
+    run,
+    target_prefix_logits,
+)
 
 import specdec
 from specdec.kernels import spec_sample as spec_sample_module
@@ -68,17 +77,12 @@ def prefix_logits(model_dirs):  # noqa: F811
 def make_llm(model_dirs):  # noqa: F811
     """``make_llm(method, k)``: the speculative LLM (one per (method, k) for the whole module)."""
     target, draft = model_dirs
-    llms = {}
 
-    def make(method: str, k: int):
-        if (method, k) not in llms:
-            spec = specdec.SpeculativeConfig(method=method, num_speculative_tokens=k,
-                                             draft_model=draft if method == "combined" else None)
-            llms[method, k] = specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
-                                          kv_cache_memory_gb=0.02, speculative=spec)
-        return llms[method, k]
+    def build(method: str, k: int):
+        return lossless_llm(target, specdec.SpeculativeConfig(method=method, num_speculative_tokens=k,
+                                                              draft_model=draft if method == "combined" else None))
 
-    return make
+    return memoised(build)
 
 
 def round_outcomes(metrics: list[dict]) -> tuple[int, int]:

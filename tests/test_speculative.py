@@ -12,16 +12,6 @@ import specdec
 from specdec import SamplingParams, SpeculativeConfig
 
 
-@pytest.fixture(scope="module")
-def pair(tiny_pair):
-    return tiny_pair
-
-
-@pytest.fixture(scope="module")
-def plain(tiny_pair_plain):
-    return tiny_pair_plain
-
-
 def spec_llm(target, draft, k, **kwargs):
     return specdec.LLM(target, dtype="float32", block_size=4, max_model_len=kwargs.pop("max_model_len", 256),
                        speculative=SpeculativeConfig(draft_model=draft, num_speculative_tokens=k), **kwargs)
