@@ -140,10 +140,10 @@ def _inject(monkeypatch, engine, stage: str) -> None:
     elif stage == "verify":
         verify = speculative_module.verify
 
-        def faulty_verify(logits, seqs, proposal):
+        def faulty_verify(logits, seqs, proposal, **kwargs):
             if victim_ids(seqs):
                 raise InjectedFault("verification failed for the victim")
-            return verify(logits, seqs, proposal)
+            return verify(logits, seqs, proposal, **kwargs)
 
         monkeypatch.setattr(speculative_module, "verify", faulty_verify)
     elif stage == "rollback":
