@@ -152,3 +152,27 @@ def test_self_speculation_with_trees_accepts_every_level(tiny_pair, params):
         m = o.metrics
         assert m["num_rounds"] > 0 and m["accepted"] == m["drafted"], m
     assert_no_leak(llm)
+
+
+def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypatch):
+    """A fault in one request's tree verification ends that request with "error"; the others produce the
+    target-only greedy tokens and every block returns to both pools."""
+    from specdec.engine import speculative as speculative_module
+
+    ps = prompts(4, seed=14)
+    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
+    llm = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3,
+                                                   tree=[2, 1, 1]), max_num_seqs=4)
+    victim = ps[2]
+    real = speculative_module.verify_trees
+
+    def faulty(logits, seqs, proposal):
+        if any(s.prompt_token_ids == victim and len(s.output_token_ids) >= 3 for s in seqs):
+            raise RuntimeError("tree verification failed for the victim")
+        return real(logits, seqs, proposal)
+
+    monkeypatch.setattr(speculative_module, "verify_trees", faulty)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    assert outs[2].outputs[0].finish_reason == "error" and "victim" in outs[2].error
+    assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == [r for i, r in enumerate(ref) if i != 2]
+    assert_no_leak(llm)
