@@ -176,3 +176,16 @@ def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypat
     assert outs[2].outputs[0].finish_reason == "error" and "victim" in outs[2].error
     assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == [r for i, r in enumerate(ref) if i != 2]
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("tree", [[3, 1, 1], "dynamic"])
+def test_seeded_tree_sampling_reproduces_whatever_the_batch(tiny_pair, tree):
+    """fp32 CPU: a seeded sampled request drafts and verifies the same trees alone and batched with others."""
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree=tree, tree_budget=8)
+    llm = tree_llm(tiny_pair[0], spec, enable_prefix_caching=False)
+    target = prompts(1, seed=20)[0]
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=42, ignore_eos=True)
+    others, other_params = prompts(3, seed=21), SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=target, sampling_params=params)[0].outputs[0].token_ids
+    batched = llm.generate(prompt_token_ids=[target] + others, sampling_params=[params] + [other_params] * 3)
+    assert batched[0].outputs[0].token_ids == alone
