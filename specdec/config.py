@@ -178,7 +178,7 @@ class SpeculativeConfig:
     tree: list[int] | str | None = None
     tree_budget: int = 16
     tree_max_branch: int = 4
-    tree_max_batch_size: int = 8
+    tree_max_batch_size: int = 4
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
