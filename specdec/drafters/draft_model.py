@@ -167,6 +167,9 @@ class DraftModelDrafter:
     def rollback(self, seq: Sequence, kv_len: int) -> None:
         if seq.seq_id in self.kv_len:
             self.kv_len[seq.seq_id] = min(self.kv_len[seq.seq_id], kv_len)
+        # a tree's node positions are valid only within the step that drafted it (a retried or failed step
+        # must never compact stale ones into the cache)
+        self.tree_positions.pop(seq.seq_id, None)
 
     def free(self, seq: Sequence) -> None:
         self.kv_len.pop(seq.seq_id, None)

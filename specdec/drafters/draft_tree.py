@@ -89,7 +89,7 @@ def propose_tree(drafter, seqs: list[Sequence], depth_caps: list[int], budgets: 
         logits = drafter.runner.forward(items)  # (len(active), V_draft)
         for g in active:
             drafter.kv_len[g.seq.seq_id] = g.seq.num_tokens
-        _store_q(drafter, logits, [(g, 0) for g in active])
+        _store_q(drafter, logits, [(g, 0) for g in active], shape)
     depth = 0
     while active:
         depth += 1
@@ -99,7 +99,7 @@ def propose_tree(drafter, seqs: list[Sequence], depth_caps: list[int], budgets: 
         feed = [g for g in active if depth < g.depth_cap and g.budget > 0]
         if feed:
             logits = drafter.runner.forward([_level_item(drafter, g, new_nodes[id(g)]) for g in feed])
-            _store_q(drafter, logits, [(g, n) for g in feed for n in new_nodes[id(g)]])
+            _store_q(drafter, logits, [(g, n) for g in feed for n in new_nodes[id(g)]], shape)
         active = feed
     return _proposal(drafter, seqs, grows)
 
@@ -117,11 +117,14 @@ def _expand_level(active: list[_Growing], frontier: dict[int, list[int]], depth:
     if not rows:
         return new
     q = torch.stack([g.q_rows[node] for g, node, _ in rows])  # (F, V_draft)
-    seeds = torch.tensor([g.seq.seed for g, _, _ in rows], dtype=torch.int64)
-    positions = torch.tensor([g.seq.num_tokens + depth - 1 for g, _, _ in rows], dtype=torch.int64)
-    noise = row_exponentials(seeds, positions, STREAM_DRAFT, q.shape[-1]).to(q.device)  # (F, V_draft)
-    greedy = torch.tensor([g.seq.params.is_greedy for g, _, _ in rows], device=q.device)
-    keys = torch.where(greedy[:, None], q, q / noise)  # top-c of q / E: c draws without replacement from q
+    greedy = [g.seq.params.is_greedy for g, _, _ in rows]
+    keys = q  # greedy rows: the top-c tokens of q
+    if not all(greedy):
+        seeds = torch.tensor([g.seq.seed for g, _, _ in rows], dtype=torch.int64)
+        positions = torch.tensor([g.seq.num_tokens + depth - 1 for g, _, _ in rows], dtype=torch.int64)
+        noise = row_exponentials(seeds, positions, STREAM_DRAFT, q.shape[-1]).to(q.device)  # (F, V_draft)
+        # sampled rows: the top-c of q / E, c draws without replacement from q
+        keys = torch.where(torch.tensor(greedy, device=q.device)[:, None], q, q / noise)
     width = max(c for _, _, c in rows)
     values, ids = torch.topk(keys, width, dim=-1)  # (F, width)
     picked = q.gather(1, ids)  # (F, width) q of each child
@@ -180,7 +183,7 @@ def _level_item(drafter, g: _Growing, nodes: list[int]) -> ForwardItem:
                        positions=positions, mask=mask)
 
 
-def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]]) -> None:
+def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], shape: TreeShape) -> None:
     """Standardize the draft logits of ``rows`` (same transform and penalty context as the target's p) and keep
     q and its largest probabilities per node. NaN/inf rows raise (the engine fails their requests)."""
     params = [g.seq.params for g, _ in rows]
@@ -191,9 +194,10 @@ def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]]) ->
         seen, counts = penalty_context(prompts, outputs, logits.shape[-1], logits.device)
         logits = apply_penalties(logits, seen, counts, st)
     probs, bad = standardize_unchecked(logits, st)  # greedy rows: q at temperature 1 (its order is the argmax's)
-    top = torch.topk(probs, min(8, probs.shape[-1]), dim=-1).values  # (R, 8) for the dynamic policy
+    # the dynamic policy ranks candidates by q's largest probabilities; a static shape needs none
+    width = min(8, probs.shape[-1]) if shape.branching is None else 0
+    top = torch.topk(probs, width, dim=-1).values  # (R, width)
     flat = torch.cat([top.flatten(), bad.to(top.dtype)]).tolist()  # one host read
-    width = top.shape[1]
     bad_rows = [r for r in range(len(rows)) if flat[len(rows) * width + r]]
     if bad_rows:
         names = sorted({rows[r][0].seq.request_id for r in bad_rows})
