@@ -16,8 +16,16 @@ import argparse
 
 import torch
 
-from bench.common import (add_record_flag, forward_seconds, machine_info, median, print_table, resolve_model,
-                          set_threads, write_json)
+from bench.common import (
+    add_record_flag,
+    forward_seconds,
+    machine_info,
+    median,
+    print_table,
+    resolve_model,
+    set_threads,
+    write_json,
+)
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.loader import load_model
 

@@ -21,8 +21,16 @@ import gc
 import time
 
 import specdec
-from bench.common import (add_record_flag, chat_token_ids, load_prompts, machine_info, print_table, resolve_model,
-                          set_threads, write_json)
+from bench.common import (
+    add_record_flag,
+    chat_token_ids,
+    load_prompts,
+    machine_info,
+    print_table,
+    resolve_model,
+    set_threads,
+    write_json,
+)
 from specdec.config import SPECULATIVE_METHODS, parse_tree
 from specdec.model.tokenizer import Tokenizer
 

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_lossless import (CONFIGS, N, N_MUTANT, PROMPT, check, exact_joint, model_dirs, run,  # noqa: F401
-                                target_prefix_logits)
+from test_spec_lossless import CONFIGS, N_MUTANT, PROMPT, N, check, exact_joint, model_dirs, run, target_prefix_logits  # noqa: F401
 
 import specdec
 from specdec.drafters import draft_tree as draft_tree_module

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec import ops
 from specdec.cache.block_manager import BlockManager
+from specdec.cache.kv_compaction import compaction_slots
 from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
 from specdec.drafters.base import DraftProposal
@@ -20,17 +22,15 @@ from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.compat import check_draft_compatible
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.draft_tree import TreeShape
-from specdec.drafters.tree import DraftTree
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.tree import DraftTree
 from specdec.engine.adaptive import AdaptiveK, MeasuredCostModel
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.loader import load_model, resolve_model_path
 from specdec.model.tokenizer import Tokenizer
-from specdec import ops
-from specdec.cache.kv_compaction import compaction_slots
 from specdec.sampling.verify import verify, verify_trees
 
 

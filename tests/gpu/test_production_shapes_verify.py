@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import test_production_shapes as shapes
 import torch
 from test_production_shapes import VOCABS, _gen, spec_batch
 
-import test_production_shapes as shapes
 from specdec import ops
 from specdec.drafters.tree import DraftTree
 from specdec.kernels.block_verify import block_verify
