@@ -1,0 +1,39 @@
+"""bench.projection: the roofline parameter count, the GPU cost reader and the table over the recorded CPU runs."""
+
+import json
+
+import pytest
+
+from bench import projection
+from bench.e2e import improvement
+
+
+def test_streamed_parameters_match_published_llama_3_2_sizes():
+    # Meta's model cards: 1.24B and 3.21B parameters (tied embeddings; norms are the only ones left out here)
+    assert projection.streamed_parameters(projection.LLAMA_3_2["1B"]) == pytest.approx(1.236e9, rel=2e-3)
+    assert projection.streamed_parameters(projection.LLAMA_3_2["3B"]) == pytest.approx(3.213e9, rel=2e-3)
+
+
+def test_tied_and_untied_heads_stream_the_same_bytes():
+    tied = dict(projection.LLAMA_3_2["1B"])
+    # the input embedding is a lookup (one row per token) whether tied or not: only the head is streamed
+    assert projection.streamed_parameters({**tied, "tie_word_embeddings": False}) == \
+        projection.streamed_parameters(tied)
+
+
+def test_gpu_costs_reads_bench_gpu_e2e_and_interpolates_v():
+    e2e = {"k": 4, "device": "NVIDIA H100", "pairs": {"random": {"batches": {"1": {"costs": {"c": 0.41, "v_k": 1.2}}}}}}
+    costs = projection.gpu_costs(e2e)
+    assert costs["c"] == 0.41 and costs["v"] == pytest.approx([1.05, 1.1, 1.15, 1.2])
+    assert projection.gpu_costs({"pairs": {}}) is None
+
+
+def test_table_over_recorded_runs(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert projection.main(["--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["class"] for r in rows} >= {"code", "copy", "prose"}
+    for r in rows:
+        assert r["predicted_thm_v_k"] == pytest.approx(improvement(r["alpha"], r["k"], r["c"], r["v_k"]))
+        assert (r["c"] == 0.0) == ("prompt_lookup" in r["run"])
+    assert "| measured on GPU |" in capsys.readouterr().out
