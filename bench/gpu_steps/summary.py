@@ -145,7 +145,21 @@ def section_projection(e2e: dict, alphas: list[float]) -> list[str]:
                          improvement(r.get("alpha"), k, c, v), r.get("speedup")])  # fmt: skip
     header = ["pair", "batch", "c", "v(k)", *(f"alpha {a:g}" for a in alphas), "measured alpha", "at measured alpha",
               "measured speedup"]  # fmt: skip
-    return [*lines, *table(header, rows)]
+    return [*lines, *table(header, rows), *section_cpu_acceptance(e2e)]
+
+
+def section_cpu_acceptance(e2e: dict) -> list[str]:
+    """``bench.projection``'s table with this run's c and v(k): the real-weight acceptance measured on CPU
+    (bench/results), projected onto this GPU."""
+    from bench import projection
+
+    gpu = projection.gpu_costs(e2e)
+    if gpu is None:
+        return []
+    rows = [row for path in projection.DEFAULT_RESULTS if path.exists()
+            for row in projection.project(path, lambda meta, k: gpu if meta.get("draft") else {**gpu, "c": 0.0})]
+    return ["#### Real-weight acceptance measured on CPU, projected with these c and v(k) (`bench.projection`)", "",
+            projection.markdown(rows), ""]
 
 
 def main(argv: list[str] | None = None) -> int:
