@@ -6,7 +6,12 @@ draft-model speculation (k=4, the draft a copy of the target, so every draft is 
 (T=0.8), at batch 1/8/64 and vocab 512 / 128256 by default. Configurations are interleaved and each figure is
 the median over repetitions, so a noisy neighbour shifts all of them alike.
 
+``--penalties`` gives every request repetition / presence / frequency penalties (1.1 / 0.5 / 0.3), so the rows
+include the penalty context; ``--prompt-len`` sets the prompt length (16 by default; long prompts show the cost of
+a request's history per step).
+
     python -m bench.host_overhead [--vocab 512 128256] [--batch 1 8 64] [--steps 20] [--reps 3] [--threads 1]
+                                  [--penalties] [--prompt-len 16]
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ MODES = {  # name -> (speculative?, temperature)
     "draft k=4 T=0.8": (True, 0.8),
 }
 K = 4
+PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.3}  # --penalties
+MAX_POSITIONS = 4096  # the negligible model's max_position_embeddings
 
 
 def make_negligible_model(path: str, vocab: int) -> None:
@@ -37,31 +44,46 @@ def make_negligible_model(path: str, vocab: int) -> None:
     from tiny_models import make_tiny_model
 
     make_tiny_model(path, "llama", seed=0, vocab_size=vocab, hidden_size=64, num_layers=1, num_heads=4,
-                    num_kv_heads=2, intermediate_size=128, with_tokenizer=False, max_position_embeddings=4096)
+                    num_kv_heads=2, intermediate_size=128, with_tokenizer=False, max_position_embeddings=MAX_POSITIONS)
 
 
-def build_engines(path: str, batch: int) -> dict:
+def max_model_len(prompt_len: int, steps: int) -> int:
+    """Room for the prompt and every timed step (at least 2048, the default runs' length)."""
+    need = prompt_len + (steps + 3) * (K + 1) + 8
+    if prompt_len < 1:
+        raise ValueError(f"--prompt-len must be >= 1, got {prompt_len}")
+    if need > MAX_POSITIONS:
+        raise ValueError(f"--prompt-len {prompt_len} with --steps {steps} needs {need} positions; the model has "
+                         f"{MAX_POSITIONS}")
+    return max(2048, need)
+
+
+def build_engines(path: str, batch: int, model_len: int = 2048) -> dict:
     import specdec
 
     engines = {}
     for name, (speculative, _) in MODES.items():
         spec = specdec.SpeculativeConfig(method="draft_model", draft_model=path, num_speculative_tokens=K) \
             if speculative else None
-        llm = specdec.LLM(path, dtype="float32", max_model_len=2048, max_num_seqs=max(batch, 1),
-                          num_kv_blocks=(batch + 1) * 2048 // 16 + 8, speculative=spec)
+        llm = specdec.LLM(path, dtype="float32", max_model_len=model_len, max_num_seqs=max(batch, 1),
+                          num_kv_blocks=(batch + 1) * model_len // 16 + 8, speculative=spec)
         engines[name] = llm.engine
     return engines
 
 
-def seconds_per_step(engine, batch: int, temperature: float, steps: int, vocab: int) -> float:
+def seconds_per_step(engine, batch: int, temperature: float, steps: int, vocab: int, penalties: bool = False,
+                     prompt_len: int = 16) -> float:
     """Median wall time of ``steps`` engine steps with ``batch`` requests all decoding (prefill excluded)."""
     from specdec import SamplingParams
 
-    params = SamplingParams(temperature=temperature, max_tokens=steps * (K + 1) + 8, ignore_eos=True, seed=1)
-    ids = [engine.add_request(prompt_token_ids=[(7 * i + j) % vocab for j in range(16)], params=params)
+    params = SamplingParams(temperature=temperature, max_tokens=steps * (K + 1) + 8, ignore_eos=True, seed=1,
+                            **(PENALTIES if penalties else {}))
+    ids = [engine.add_request(prompt_token_ids=[(7 * i + j) % vocab for j in range(prompt_len)], params=params)
            for i in range(batch)]
-    for _ in range(2):  # prefill, then one step to reach steady state
-        engine.step()
+    pending = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    while any(s.num_computed < s.num_tokens - 1 for s in pending):
+        engine.step()  # prefill (in chunks, for long prompts)
+    engine.step()  # one step to reach steady state
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -80,20 +102,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration and repetition")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (the median is reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--penalties", action="store_true",
+                        help="repetition / presence / frequency penalties 1.1 / 0.5 / 0.3 on every request")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
     add_record_flag(parser)
     args = parser.parse_args(argv)
     set_threads(args.threads)
+    model_len = max_model_len(args.prompt_len, args.steps)
     rows, results = [], []
     for vocab in args.vocab:
         folder = tempfile.mkdtemp(prefix=f"host_overhead_v{vocab}_")
         try:
             make_negligible_model(folder, vocab)
             for batch in args.batch:
-                engines = build_engines(folder, batch)
+                engines = build_engines(folder, batch, model_len)
                 samples: dict[str, list[float]] = {name: [] for name in MODES}
                 for _ in range(args.reps):  # interleaved A/B/C/D
                     for name, (_, temperature) in MODES.items():
-                        samples[name].append(seconds_per_step(engines[name], batch, temperature, args.steps, vocab))
+                        samples[name].append(seconds_per_step(engines[name], batch, temperature, args.steps, vocab,
+                                                              args.penalties, args.prompt_len))
                 for name in MODES:
                     ms = 1e3 * median(samples[name])
                     results.append({"vocab": vocab, "batch": batch, "mode": name, "ms_per_step": ms,
@@ -102,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print_table(rows, ["vocab", "batch", "mode", "ms/step (speculative: per round)"])
-    path = write_json(f"host_overhead_t{args.threads}",
+    suffix = ("_penalties" if args.penalties else "") + (f"_p{args.prompt_len}" if args.prompt_len != 16 else "")
+    path = write_json(f"host_overhead_t{args.threads}{suffix}",
                       {"machine": machine_info(), "threads": torch.get_num_threads(), "k": K, "steps": args.steps,
-                       "reps": args.reps, "results": results}, record=args.record)
+                       "reps": args.reps, "penalties": PENALTIES if args.penalties else None,
+                       "prompt_len": args.prompt_len, "results": results}, record=args.record)
     print(f"wrote {path}")
     return 0
 

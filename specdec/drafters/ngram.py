@@ -66,7 +66,7 @@ class NgramTable:
 
     def predict(self, k: int) -> list[int]:
         """Up to ``k`` chained predictions after the current history."""
-        context = list(self.history)[-(self.max_order - 1):]
+        context = self._tail(self.max_order - 1)
         out: list[int] = []
         while len(out) < k:
             token = self._next(context)
@@ -100,9 +100,14 @@ class NgramTable:
             return [(tok, (-prob * count / total, -last), ((*context, tok)[-keep:], prob * count / total))
                     for tok, (count, last) in best]
 
-        context = tuple(list(self.history)[-keep:])
+        context = tuple(self._tail(keep))
         chain = self.predict(max_depth) if keep_chain else ()
         return best_first_tree(root, (context, 1.0), expand, max_depth, max_nodes, chain)
+
+    def _tail(self, n: int) -> list[int]:
+        """The last ``n`` tokens of the history (O(n): a deque indexes its ends in O(1), no copy of the window)."""
+        hist = self.history
+        return [hist[i] for i in range(max(0, len(hist) - n), len(hist))]
 
     def _continuations(self, context: list[int]) -> dict[int, list[int]] | None:
         """Continuation -> [count, last seen] of the longest order whose context matches, or None."""

@@ -145,26 +145,10 @@ def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ng
     return best_first_tree(root, 0, expand, max_depth, max_nodes, chain if keep_chain else ())
 
 
-class _TokenArray:
-    """One request's text as a growing int64 buffer: each call converts only the tokens added since the last."""
-
-    def __init__(self, seq: Sequence):
-        self.seq = seq  # the request it mirrors (a reused seq id is a different object: rebuilt)
-        self.buffer = np.empty(256, dtype=np.int64)
-        self.size = 0
-
-    def view(self, tokens: list[int]) -> np.ndarray:
-        """int64 ``[len(tokens)]`` equal to ``tokens`` (a request's text only grows)."""
-        n = len(tokens)
-        if n < self.size:  # never for one request; rebuild rather than trust it
-            self.size = 0
-        if n > self.buffer.size:
-            grown = np.empty(max(2 * self.buffer.size, n), dtype=np.int64)
-            grown[: self.size] = self.buffer[: self.size]
-            self.buffer = grown
-        self.buffer[self.size : n] = tokens[self.size :]
-        self.size = n
-        return self.buffer[:n]
+def _array(seq: Sequence) -> np.ndarray | None:
+    """The request's text as int64 ``[L]``: ``Sequence.token_array`` (kept up to date per token, O(1) here), or
+    None for a request object without one (then the lookup converts its list)."""
+    return getattr(seq, "token_array", None)
 
 
 class PromptLookupDrafter:
@@ -173,13 +157,10 @@ class PromptLookupDrafter:
             raise ValueError(f"max_matches (matches merged into a tree) must be >= 1, got {max_matches}")
         self.min_ngram, self.max_ngram, self.max_matches = min_ngram, max_ngram, max_matches
         self.keep_chain = keep_chain  # trees keep propose()'s chain first (prompt_lookup_tree)
-        self.arrays: dict[int, _TokenArray] = {}  # seq id -> its text as an array
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
-        drafts = []
-        for seq, k in zip(seqs, num_tokens):
-            tokens = seq.all_token_ids
-            drafts.append(prompt_lookup(tokens, k, self.min_ngram, self.max_ngram, self._array(seq, tokens)))
+        drafts = [prompt_lookup(seq.all_token_ids, k, self.min_ngram, self.max_ngram, _array(seq))
+                  for seq, k in zip(seqs, num_tokens)]
         return DraftProposal(drafts, None, [True] * len(seqs))
 
     def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
@@ -187,21 +168,12 @@ class PromptLookupDrafter:
         check_tree_budgets(len(seqs), max_depths, max_nodes)
         trees = []
         for seq, depth, nodes in zip(seqs, max_depths, max_nodes):
-            tokens = seq.all_token_ids
-            trees.append(prompt_lookup_tree(tokens, depth, nodes, self.min_ngram, self.max_ngram, self.max_matches,
-                                            self._array(seq, tokens), self.keep_chain))
+            trees.append(prompt_lookup_tree(seq.all_token_ids, depth, nodes, self.min_ngram, self.max_ngram,
+                                            self.max_matches, _array(seq), self.keep_chain))
         return tree_proposal(trees)
-
-    def _array(self, seq: Sequence, tokens: list[int]) -> np.ndarray:
-        entry = self.arrays.get(seq.seq_id)
-        if entry is None or entry.seq is not seq:
-            entry = self.arrays[seq.seq_id] = _TokenArray(seq)
-        return entry.view(tokens)
 
     def rollback(self, seq: Sequence, kv_len: int) -> None:
         pass  # the text holds emitted tokens only
 
     def free(self, seq: Sequence) -> None:
-        # keep the array across preemption: the request's tokens are kept
-        if seq.is_finished:
-            self.arrays.pop(seq.seq_id, None)
+        pass  # no per-request state: the sequence keeps its own history

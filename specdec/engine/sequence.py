@@ -6,7 +6,12 @@ import enum
 import time
 from dataclasses import dataclass, field, fields
 
+import numpy as np
+
+from specdec.engine.token_history import TokenHistory, TokenList
 from specdec.sampling.params import SamplingParams
+
+_TOKEN_FIELDS = ("prompt_token_ids", "output_token_ids")
 
 
 class Status(enum.Enum):
@@ -110,6 +115,14 @@ class RequestMetrics:
 
 @dataclass(eq=False)  # identity equality: `seq in running` must be O(1) per comparison
 class Sequence:
+    """One request (one sample of it when ``n > 1``) as the engine sees it.
+
+    ``prompt_token_ids`` / ``output_token_ids`` are lists (:class:`TokenList`) kept in step with ``history``, a
+    :class:`TokenHistory` updated per appended token: ``all_token_ids``, ``token_array`` and the penalty counts
+    read it in O(1) instead of rebuilding prompt + output. Assigning either list (the sequence keeps a copy), or
+    changing one other than by appending, rebuilds the history (O(length)).
+    """
+
     seq_id: int
     request_id: str
     prompt: str | None
@@ -137,9 +150,37 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
 
+    def __post_init__(self) -> None:
+        self.history = TokenHistory(self.prompt_token_ids, self.output_token_ids)
+        self._wrap_token_lists()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in _TOKEN_FIELDS or "history" not in self.__dict__:
+            object.__setattr__(self, name, value)
+            return
+        old = self.__dict__[name]
+        if value is old:  # `seq.output_token_ids += [...]` assigns the list to itself: already in step
+            return
+        old.history = None  # the replaced list no longer feeds this sequence's history
+        object.__setattr__(self, name, value)
+        self.history.reset(self.prompt_token_ids, self.output_token_ids)  # a new list: rebuild from it
+        self._wrap_token_lists()
+
+    def _wrap_token_lists(self) -> None:
+        for name, is_output in zip(_TOKEN_FIELDS, (False, True)):
+            tokens = self.__dict__[name]
+            if not (isinstance(tokens, TokenList) and tokens.history is self.history):
+                self.__dict__[name] = TokenList(tokens, self.history, is_output)
+
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """prompt + output: a read-only list that grows with the sequence (O(1); ``list(...)`` for a snapshot)."""
+        return self.history.tokens
+
+    @property
+    def token_array(self) -> np.ndarray:
+        """prompt + output as int64 ``[num_tokens]`` (a read-only view, valid until the next token is added)."""
+        return self.history.array
 
     @property
     def last_token_id(self) -> int:
@@ -147,7 +188,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.history)
 
     @property
     def is_finished(self) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels.philox import STREAM_SAMPLE, row_exponentials
+from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.penalties import penalty_context
-from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize, standardize_unchecked
+from specdec.sampling.standardize import apply_penalty_rows, standardize, standardize_unchecked
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -58,11 +58,18 @@ def sample_rows(
     NaN/inf logits raise ``FloatingPointError`` (a host read), unless ``bad_rows`` is given: then the bool ``[R]``
     of bad rows is appended to it, on the device, and the caller must check it before using those rows' tokens.
     """
-    device = logits.device
-    st = SamplingTensors.from_params(params, device)
-    if st.any_penalty:
-        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], device)
-        logits = apply_penalties(logits, seen, counts, st)
+    meta = SamplingMetadata.build(params, seeds, positions, prompts, outputs, logits.shape[-1], logits.device)
+    return sample_with_metadata(logits, meta, stream, bad_rows=bad_rows)
+
+
+def sample_with_metadata(
+    logits: torch.Tensor, meta: SamplingMetadata, stream: int, bad_rows: list[torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sample_rows` on prepared metadata: ``(tokens int64 [R], probs fp32 [R, V] or None)`` for the rows of
+    ``logits`` (fp32 ``[R, V]``), ``meta`` holding one row each."""
+    st = meta.st
+    if meta.penalties is not None:
+        logits = apply_penalty_rows(logits, meta.penalties, st)
     if st.all_greedy:
         if bad_rows is None:
             check_finite(logits)
@@ -74,9 +81,9 @@ def sample_rows(
     else:
         probs, bad = standardize_unchecked(logits, st)  # bad: the rows standardize() would raise for
         bad_rows.append(bad)
-    seed_t = torch.tensor(seeds, dtype=torch.int64, device=device)
-    pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
-    sampled = sample_from_probs(probs, seed_t, pos_t, stream)
+    sampled = sample_from_probs(probs, meta.seeds, meta.positions, stream)
+    if not st.any_greedy:  # no argmax pass over [R, V] for a batch without greedy rows
+        return sampled, probs
     return torch.where(st.temperature == 0, greedy(logits), sampled), probs
 
 

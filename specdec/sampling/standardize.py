@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec import ops
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.penalties import PenaltyRows
 
 
 @dataclass
@@ -29,39 +31,47 @@ class SamplingTensors:
     any_penalty: bool
     any_filter: bool
     all_greedy: bool
+    any_greedy: bool = True  # some row's fp32 temperature is 0 (its token is the argmax, not a sample)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], device: torch.device | str) -> SamplingTensors:
-        def col(attr: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, attr) for p in params], dtype=dtype, device=device)
-
+        # the float settings as one [6, R] table: one host-to-device copy, each row contiguous (kernels read them
+        # as [R] vectors); numpy rounds each Python float to fp32 exactly as torch.tensor(..., float32) does
+        table = np.array([(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                           p.frequency_penalty) for p in params], dtype=np.float32).reshape(-1, 6)  # [R, 6]
+        any_greedy = bool((table[:, 0] == 0).any())  # as the fp32 temperature says (1e-50 rounds to 0)
+        table = torch.from_numpy(np.ascontiguousarray(table.T)).to(device)  # [6, R]
         return cls(
-            temperature=col("temperature", torch.float32),
-            top_k=col("top_k", torch.int64),
-            top_p=col("top_p", torch.float32),
-            min_p=col("min_p", torch.float32),
-            repetition_penalty=col("repetition_penalty", torch.float32),
-            presence_penalty=col("presence_penalty", torch.float32),
-            frequency_penalty=col("frequency_penalty", torch.float32),
+            temperature=table[0],
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=table[1],
+            min_p=table[2],
+            repetition_penalty=table[3],
+            presence_penalty=table[4],
+            frequency_penalty=table[5],
             any_penalty=any(p.has_penalties for p in params),
             any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
             all_greedy=all(p.is_greedy for p in params),
+            any_greedy=any_greedy,
         )
 
 
 def apply_penalties(
     logits: torch.Tensor,
-    seen_mask: torch.Tensor | None,
+    seen_mask: torch.Tensor | PenaltyRows | None,
     output_counts: torch.Tensor | None,
     st: SamplingTensors,
 ) -> torch.Tensor:
-    """Penalised fp32 logits ``[R, V]``.
+    """Penalised fp32 logits ``[R, V]`` (a new tensor when a penalty is on; ``logits`` itself is never changed).
 
     Args:
         logits: ``[R, V]`` raw logits.
-        seen_mask: bool ``[R, V]``, tokens present in prompt or output (repetition penalty), or None.
+        seen_mask: bool ``[R, V]``, tokens present in prompt or output (repetition penalty), or None; or the
+            sparse context (:class:`PenaltyRows`, ``output_counts`` None), which costs O(entries), not O(R * V).
         output_counts: int ``[R, V]``, occurrences in the generated output so far (presence / frequency), or None.
     """
+    if isinstance(seen_mask, PenaltyRows):
+        return apply_penalty_rows(logits, seen_mask, st)
     logits = logits.float()
     if not st.any_penalty:
         return logits
@@ -71,6 +81,25 @@ def apply_penalties(
     counts = output_counts.float()
     logits = logits - st.frequency_penalty[:, None] * counts
     return logits - st.presence_penalty[:, None] * (counts > 0).float()
+
+
+def apply_penalty_rows(logits: torch.Tensor, pr: PenaltyRows, st: SamplingTensors) -> torch.Tensor:
+    """:func:`apply_penalties` on the sparse context: fp32 ``[R, V]``, the seen entries recomputed with the same
+    fp32 operations in the same order (so each is bitwise what the dense form gives), every other logit copied.
+    The dense form also subtracts ``penalty * 0`` from unseen logits, which changes no value (at most the sign of
+    a zero)."""
+    if not st.any_penalty:
+        return logits.float()
+    out = logits.to(torch.float32, copy=True)  # [R, V]
+    if pr.rows.numel() == 0:
+        return out
+    values = out[pr.rows, pr.tokens]  # [N]
+    rep = st.repetition_penalty[pr.rows]  # [N]
+    values = torch.where(values > 0, values / rep, values * rep)
+    counts = pr.counts.float()  # [N]
+    values = values - st.frequency_penalty[pr.rows] * counts
+    out[pr.rows, pr.tokens] = values - st.presence_penalty[pr.rows] * (counts > 0).float()
+    return out
 
 
 def standardize(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:

@@ -1,0 +1,46 @@
+"""SamplingMetadata: everything the sampler needs for R logits rows, as tensors built once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling.params import SamplingParams
+from specdec.sampling.penalties import PenaltyRows, penalty_rows
+from specdec.sampling.standardize import SamplingTensors
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs of ``R`` rows (no ``Sequence`` objects: the sampler sees tensors only)."""
+
+    st: SamplingTensors  # temperature / top-k / top-p / min-p / penalty settings, [R] each
+    seeds: torch.Tensor | None  # int64 [R]: the request seeds (the Philox key); None when every row is greedy
+    positions: torch.Tensor | None  # int64 [R]: absolute position of the token drawn (the Philox counter); ditto
+    penalties: PenaltyRows | None  # sparse penalty context; None when no row has a penalty
+
+    @property
+    def num_rows(self) -> int:
+        return self.st.temperature.shape[0]
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], prompts: list[list[int]],
+              outputs: list[list[int]], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
+        """From per-row lists (``prompts`` / ``outputs``: the penalty context of each row, read only when the
+        row has a penalty; pass the sequence's own lists - ``seq.prompt_token_ids``, ``seq.output_token_ids``
+        (+ drafts) - and the context costs O(distinct tokens) per row, not O(length))."""
+        num_rows = len(params)
+        for name, values in (("seeds", seeds), ("positions", positions), ("prompts", prompts),
+                             ("outputs", outputs)):
+            if len(values) != num_rows:
+                raise ValueError(f"SamplingMetadata needs one entry per row in {name}: got {len(values)} for "
+                                 f"{num_rows} rows")
+        st = SamplingTensors.from_params(params, device)
+        keys = None
+        if not st.all_greedy:
+            keys = torch.tensor([seeds, positions], dtype=torch.int64).reshape(2, num_rows).to(device)  # [2, R]
+        pen = None
+        if st.any_penalty:
+            pen = penalty_rows(prompts, outputs, vocab_size, device, [p.has_penalties for p in params])
+        return cls(st, keys[0] if keys is not None else None, keys[1] if keys is not None else None, pen)
