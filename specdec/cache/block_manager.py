@@ -17,12 +17,20 @@ without the ones before them) are evicted before its first ones.
 
 Writes (``slot``) are only allowed into a block that this sequence alone holds and that is not registered: a
 shared or cached block is never overwritten, whatever a rollback, a preemption or a failed step does.
+
+Besides the tables as Python lists (the source of truth), the manager keeps them in a persistent int32 array,
+``table_array`` ``[rows, width]``: each sequence owns a row (``row_of``) from allocation to ``free``, updated
+incrementally as blocks are appended or given back (entries past a table's end are 0), both dimensions grown
+geometrically. With ``read_only`` (bool ``[num_blocks]``, the blocks ``slot`` refuses to write), it lets the model
+runner gather a batch's block tables and slot mapping with a few numpy operations instead of per-token Python.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
+
+import numpy as np
 
 from specdec.cache.prefix_cache import PrefixCache
 
@@ -31,6 +39,8 @@ from specdec.cache.prefix_cache import PrefixCache
 # step is a decode step to a speculative engine, which would draft there and draw the request's first token from
 # other random streams than the uncached run does (docs/architecture.md, "Prefix caching").
 RECOMPUTED_TAIL = 2
+INITIAL_TABLE_ROWS = 8  # table_array rows (sequences holding blocks at once) before the first growth
+INITIAL_TABLE_WIDTH = 16  # table_array columns (blocks of the longest table) before the first growth
 
 
 class BlockManager:
@@ -48,6 +58,11 @@ class BlockManager:
         self.num_queried_tokens = 0  # tokens of the sequences allocated with their token ids (prefix caching)
         self.num_cached_tokens = 0  # of those, tokens served from the prefix cache
         self.num_evicted_blocks = 0  # cached blocks whose memory was taken for other tokens
+        # The tables again as one persistent array (module docstring): int32 [rows, width], row_of[seq id].
+        self.table_array = np.zeros((INITIAL_TABLE_ROWS, INITIAL_TABLE_WIDTH), dtype=np.int32)
+        self._row_of: dict[int, int] = {}
+        self._free_rows: list[int] = list(range(INITIAL_TABLE_ROWS - 1, -1, -1))  # popped from the end: 0 first
+        self.read_only = np.ones(num_blocks, dtype=bool)  # [num_blocks] not held by one sequence alone, or registered
 
     # --- queries -------------------------------------------------------------------------------------------
     @property
@@ -76,8 +91,16 @@ class BlockManager:
     def seq_len(self, seq_id: int) -> int:
         return self._lens[seq_id]
 
+    def seq_len_or_none(self, seq_id: int) -> int | None:
+        """``seq_len(seq_id)``, or None when ``seq_id`` holds no blocks (one lookup for the scheduler)."""
+        return self._lens.get(seq_id)
+
     def block_table(self, seq_id: int) -> list[int]:
         return self._tables[seq_id]
+
+    def row_of(self, seq_id: int) -> int:
+        """The row of ``table_array`` that holds ``seq_id``'s block table (``KeyError`` for unknown ids)."""
+        return self._row_of[seq_id]
 
     def refcount(self, block: int) -> int:
         return self._refs[block]
@@ -126,8 +149,12 @@ class BlockManager:
         keys, hit = self._cached_prefix(num_tokens, token_ids)
         for block in hit:
             self._ref(block)
-        self._tables[seq_id] = hit + [self._take() for _ in range(self.blocks_needed(num_tokens) - len(hit))]
+        table = hit + [self._take() for _ in range(self.blocks_needed(num_tokens) - len(hit))]
+        self._tables[seq_id] = table
         self._lens[seq_id] = num_tokens
+        self._row_of[seq_id] = row = self._take_row()
+        self._ensure_width(len(table))
+        self.table_array[row, : len(table)] = table
         if self.prefix_cache is not None:
             self.prefix_cache.start(seq_id, keys)
             if token_ids is not None:
@@ -140,8 +167,27 @@ class BlockManager:
         extra = self._extra_blocks(seq_id, num_new)
         if extra > self.num_free_blocks:
             raise MemoryError(f"{extra} blocks needed, {self.num_free_blocks} free")
-        self._tables[seq_id].extend(self._take() for _ in range(extra))
+        if extra > 0:
+            table = self._tables[seq_id]
+            old = len(table)
+            table.extend(self._take() for _ in range(extra))
+            self._ensure_width(len(table))
+            self.table_array[self._row_of[seq_id], old : len(table)] = table[old:]
         self._lens[seq_id] += num_new
+
+    def try_reserve(self, seq_id: int, target_len: int) -> bool:
+        """Grow a held sequence to at least ``target_len`` slots if the pool allows; False (nothing changed)
+        when it does not. ``append_slots`` for the scheduler's common case, in one call."""
+        missing = target_len - self._lens[seq_id]
+        if missing <= 0:
+            return True
+        if self.blocks_needed(target_len) <= len(self._tables[seq_id]):  # within its last block: no new block
+            self._lens[seq_id] = target_len
+            return True
+        if self._extra_blocks(seq_id, missing) > self.num_free_blocks:
+            return False
+        self.append_slots(seq_id, missing)
+        return True
 
     def truncate_to(self, seq_id: int, new_len: int) -> int:
         """Shrink ``seq_id`` to ``new_len`` slots, giving back every block wholly beyond ``new_len``; returns how
@@ -156,6 +202,7 @@ class BlockManager:
         keep = self.blocks_needed(new_len)
         freed = table[keep:]
         del table[keep:]
+        self.table_array[self._row_of[seq_id], keep : keep + len(freed)] = 0
         for block in reversed(freed):
             self._release(block)
         self._lens[seq_id] = new_len
@@ -166,7 +213,12 @@ class BlockManager:
         K/V are committed (never speculative ones) - now fill; returns how many were newly registered."""
         if self.prefix_cache is None or seq_id not in self._tables:
             return 0
-        return self.prefix_cache.register(seq_id, self._tables[seq_id], token_ids)
+        table = self._tables[seq_id]
+        num_before = self.prefix_cache.num_chained(seq_id)
+        registered = self.prefix_cache.register(seq_id, table, token_ids)
+        for block in table[num_before : self.prefix_cache.num_chained(seq_id)]:
+            self._update_read_only(block)
+        return registered
 
     def num_chained_blocks(self, seq_id: int) -> int:
         """Leading blocks of ``seq_id`` already offered to the prefix cache (0 without prefix caching)."""
@@ -178,6 +230,9 @@ class BlockManager:
         table = self._tables.pop(seq_id, None)
         if table is not None:
             del self._lens[seq_id]
+            row = self._row_of.pop(seq_id)
+            self.table_array[row, : len(table)] = 0
+            self._free_rows.append(row)
             if self.prefix_cache is not None:
                 self.prefix_cache.drop(seq_id)
             for block in reversed(table):  # tail first: a prefix's last blocks are evicted before its first
@@ -200,21 +255,48 @@ class BlockManager:
             self.prefix_cache.evict(block)
             self.num_evicted_blocks += 1
         self._refs[block] = 1
+        self.read_only[block] = False  # held by one sequence, unregistered (an evicted block no longer is)
         return block
 
     def _ref(self, block: int) -> None:
         if self._refs[block] == 0:
             del self._evictable[block]  # a cached block taken back: no longer evictable
         self._refs[block] += 1
+        self._update_read_only(block)
 
     def _release(self, block: int) -> None:
         self._refs[block] -= 1
         assert self._refs[block] >= 0, f"block {block} released more often than referenced"
+        self._update_read_only(block)
         if self._refs[block] == 0:
             if self.prefix_cache is not None and self.prefix_cache.is_registered(block):
                 self._evictable[block] = None  # most recently released: evicted last
             else:
                 self._free.append(block)
+
+    def _update_read_only(self, block: int) -> None:
+        """``read_only[block]``: what ``slot`` checks - shared (or unreferenced) or registered."""
+        self.read_only[block] = self._refs[block] != 1 or (
+            self.prefix_cache is not None and self.prefix_cache.is_registered(block))
+
+    def _take_row(self) -> int:
+        """A free row of ``table_array`` (all zeros), doubling the rows when none is left."""
+        if not self._free_rows:
+            rows, width = self.table_array.shape
+            grown = np.zeros((2 * rows, width), dtype=np.int32)
+            grown[:rows] = self.table_array
+            self.table_array = grown
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _ensure_width(self, num_blocks: int) -> None:
+        """Widen ``table_array`` (doubling) until a table of ``num_blocks`` blocks fits."""
+        rows, width = self.table_array.shape
+        if num_blocks > width:
+            new_width = max(2 * width, num_blocks)
+            grown = np.zeros((rows, new_width), dtype=np.int32)
+            grown[:, :width] = self.table_array
+            self.table_array = grown
 
     def _extra_blocks(self, seq_id: int, num_new: int) -> int:
         return self.blocks_needed(self._lens[seq_id] + num_new) - len(self._tables[seq_id])
@@ -247,5 +329,16 @@ class BlockManager:
                     assert cache.key_of(block) == chain[i], f"block {block} of sequence {seq_id} has another key"
                 else:
                     assert self._refs[block] == 1, f"unregistered prefix block {block} of sequence {seq_id} is shared"
+        rows = set(self._row_of.values())
+        assert len(rows) == len(self._row_of) == len(self._tables), "two sequences share a table row"
+        assert not rows & set(self._free_rows), "a sequence's table row is also free"
+        assert len(rows) + len(self._free_rows) == self.table_array.shape[0], "a table row leaked"
+        expected = np.zeros_like(self.table_array)
+        for seq_id, table in self._tables.items():
+            expected[self._row_of[seq_id], : len(table)] = table
+        assert np.array_equal(self.table_array, expected), "table_array differs from the block tables"
+        for block in range(self.num_blocks):
+            writable = self._refs[block] == 1 and not (cache is not None and cache.is_registered(block))
+            assert self.read_only[block] == (not writable), f"read_only[{block}] is stale"
         if cache is not None:
             cache.check_invariants()

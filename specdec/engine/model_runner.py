@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.engine.input_batch import StagingBuffer
 from specdec.model.llama import AttentionMetadata, LlamaForCausalLM
 
 
@@ -28,11 +30,19 @@ class ForwardItem:
 
 
 class ModelRunner:
+    """Runs ragged forwards of ``model`` on its paged ``pool``; the block tables come from ``block_manager``.
+
+    The metadata of a forward is built in a persistent :class:`StagingBuffer` (one host-to-device copy per
+    forward on CUDA, none on CPU): the slots and block tables are gathered from the block manager's persistent
+    ``table_array`` with numpy, not per token in Python (docs/architecture.md, "Model runner").
+    """
+
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, block_manager: BlockManager, device: torch.device):
         self.model = model
         self.pool = pool
         self.block_manager = block_manager
         self.device = device
+        self.staging = StagingBuffer(device)
         self.num_forwards = 0
 
     def forward(self, items: list[ForwardItem], input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,54 +52,96 @@ class ModelRunner:
         ``input_ids``: int64 ``[sum(len(token_ids))]`` on the device, the new tokens themselves when they are
         already there (a draft step's previous drafts); the items' ``token_ids`` then only give the counts.
         """
+        meta, ids, positions, logits_indices = self.prepare(items, with_ids=input_ids is None)
+        if input_ids is not None:
+            assert input_ids.shape == positions.shape, "input_ids must hold one id per new token"
+            ids = input_ids
+        self.num_forwards += 1
+        return self.model(ids, positions, self.pool.tensors, meta, logits_indices)
+
+    def prepare(self, items: list[ForwardItem], with_ids: bool = True
+                ) -> tuple[AttentionMetadata, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """The device inputs of a forward over ``items``: ``(meta, input_ids int64 [T] or None, positions int64
+        [T], logits_indices int64 [N])``, views of the staging buffer valid until the next ``prepare``.
+
+        Raises ``RuntimeError`` (before anything is staged) if a new token's slot lies in a block that is
+        shared or registered in the prefix cache (``BlockManager.slot``'s rule)."""
         bm = self.block_manager
+        bs = bm.block_size
+        read_only = bm.read_only
+        num_seqs = len(items)
         token_ids: list[int] = []
-        positions: list[int] = []
+        positions: list[int] = []  # RoPE positions
         slots: list[int] = []
         logits_indices: list[int] = []
         cu_q_lens = [0]
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        rows: list[int] = []  # each item's row of bm.table_array
+        width = 0  # blocks of the longest table: the block tables' padded width
         masks: list[torch.Tensor | None] = []
+        has_mask = False
+        cu = 0
         for item in items:
+            seq_id, start = item.seq_id, item.start_pos
             n = len(item.token_ids)
-            assert bm.seq_len(item.seq_id) >= item.start_pos + n, "slots not reserved before the forward"
-            token_ids += item.token_ids
+            end = start + n
+            table = bm.block_table(seq_id)
+            assert bm.seq_len(seq_id) >= end, "slots not reserved before the forward"
+            if n == 1:  # a decode or draft step: one slot
+                block = table[start // bs]
+                if read_only[block]:
+                    bm.slot(seq_id, start)  # raises, naming the sequence, position and block
+                slots.append(block * bs + start % bs)
+            else:  # block by block: the slots within one block are consecutive
+                for i in range(start // bs, (end - 1) // bs + 1):
+                    block = table[i]
+                    lo = max(start, i * bs)
+                    if read_only[block]:
+                        bm.slot(seq_id, lo)  # raises
+                    offset = (block - i) * bs  # slot of logical position p in this block: p + offset
+                    slots += range(lo + offset, min(end, i * bs + bs) + offset)
             if item.positions is None:
-                positions += range(item.start_pos, item.start_pos + n)
+                positions += range(start, end)
             else:
                 positions += item.positions
+            if with_ids:
+                token_ids += item.token_ids
+            logits_indices += range(cu + n - item.num_logits, cu + n)
+            cu += n
+            cu_q_lens.append(cu)
+            seq_lens.append(end)
+            rows.append(bm.row_of(seq_id))
+            width = max(width, len(table))
             masks.append(item.mask)
-            slots += [bm.slot(item.seq_id, p) for p in range(item.start_pos, item.start_pos + n)]
-            logits_indices += range(cu_q_lens[-1] + n - item.num_logits, cu_q_lens[-1] + n)
-            cu_q_lens.append(cu_q_lens[-1] + n)
-            seq_lens.append(item.start_pos + n)
-            tables.append(bm.block_table(item.seq_id))
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
-        dev = self.device
-        tree_mask, tree_mask_indptr = _pack_masks(masks, dev)
+            has_mask = has_mask or item.mask is not None
+
+        # One staging buffer, one section per array; the block tables are gathered from the persistent rows.
+        sections = [(cu, np.int64), (cu, np.int64), (len(logits_indices), np.int64),
+                    (num_seqs, np.int32), (num_seqs + 1, np.int32), (num_seqs * width, np.int32)]
+        if with_ids:
+            sections.append((cu, np.int64))
+        staged = self.staging.stage(sections)
+        staged[0][:] = positions
+        staged[1][:] = slots
+        staged[2][:] = logits_indices
+        staged[3][:] = seq_lens
+        staged[4][:] = cu_q_lens
+        bm.table_array[:, :width].take(rows, axis=0, out=staged[5].reshape(num_seqs, width))
+        if with_ids:
+            staged[6][:] = token_ids
+
+        on_device = self.staging.to_device()  # the forward's one host-to-device copy
+        dev_positions, dev_slots, dev_logits, dev_seq_lens, dev_cu, dev_tables = on_device[:6]
+        tree_mask, tree_mask_indptr = _pack_masks(masks, self.device) if has_mask else (None, None)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_q_lens=torch.tensor(cu_q_lens, dtype=torch.int32, device=dev),
+            slot_mapping=dev_slots,
+            block_tables=dev_tables.view(num_seqs, width),
+            seq_lens=dev_seq_lens,
+            cu_q_lens=dev_cu,
             tree_mask=tree_mask,
             tree_mask_indptr=tree_mask_indptr,
         )
-        self.num_forwards += 1
-        if input_ids is None:
-            ids = torch.tensor(token_ids, dtype=torch.int64, device=dev)
-        else:
-            assert input_ids.shape == (len(token_ids),), "input_ids must hold one id per new token"
-            ids = input_ids
-        return self.model(
-            ids,
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            self.pool.tensors,
-            meta,
-            torch.tensor(logits_indices, dtype=torch.int64, device=dev),
-        )
+        return meta, (on_device[6] if with_ids else None), dev_positions, dev_logits
 
 
 def _pack_masks(masks: list[torch.Tensor | None], device: torch.device

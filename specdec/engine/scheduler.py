@@ -25,6 +25,10 @@ from specdec.cache.block_manager import BlockManager
 from specdec.engine.sequence import Sequence, Status
 
 
+def _seq_id(seq: Sequence) -> int:
+    return seq.seq_id
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]  # in batch order
@@ -73,12 +77,13 @@ class Scheduler:
 
     # --- block helpers -------------------------------------------------------------------------------------
     def _can_reserve(self, seq: Sequence, target_len: int, token_ids: list[int] | None = None) -> bool:
+        seq_id = seq.seq_id
         for bm in self.block_managers:
-            current = bm.seq_len(seq.seq_id) if bm.has_seq(seq.seq_id) else 0
-            if target_len > current and not (
-                bm.can_append(seq.seq_id, target_len - current) if bm.has_seq(seq.seq_id)
-                else bm.can_allocate(target_len, token_ids)
-            ):
+            current = bm.seq_len_or_none(seq_id)
+            if current is None:
+                if not bm.can_allocate(target_len, token_ids):
+                    return False
+            elif target_len > current and not bm.can_append(seq_id, target_len - current):
                 return False
         return True
 
@@ -86,12 +91,14 @@ class Scheduler:
         """Reserve ``target_len`` slots in every pool; returns the tokens the target pool serves from its prefix
         cache for a newly allocated sequence (0 otherwise)."""
         cached = 0
+        seq_id = seq.seq_id
         for i, bm in enumerate(self.block_managers):
-            if not bm.has_seq(seq.seq_id):
-                hit = bm.allocate(seq.seq_id, target_len, token_ids)
+            current = bm.seq_len_or_none(seq_id)
+            if current is None:
+                hit = bm.allocate(seq_id, target_len, token_ids)
                 cached = hit if i == 0 else cached
-            elif target_len > bm.seq_len(seq.seq_id):
-                bm.append_slots(seq.seq_id, target_len - bm.seq_len(seq.seq_id))
+            elif target_len > current:
+                bm.append_slots(seq_id, target_len - current)
         return cached
 
     def _register(self, seq: Sequence) -> None:
@@ -120,6 +127,16 @@ class Scheduler:
                 return True
         return False
 
+    def _try_append(self, seq: Sequence, target_len: int) -> bool:
+        """Reserve ``target_len`` slots for a running ``seq`` in every pool if all of them can, else change
+        nothing and return False. (One pool: one call; several: check all, then reserve.)"""
+        if len(self.block_managers) == 1:
+            return self.block_managers[0].try_reserve(seq.seq_id, target_len)
+        if not self._can_reserve(seq, target_len):
+            return False
+        self._reserve(seq, target_len)
+        return True
+
     def _grant(self, seq: Sequence, base: int, desired: int) -> int | None:
         """The largest lookahead in [0, desired] whose slots the pools can reserve, or None."""
         for lookahead in range(desired, -1, -1):
@@ -146,11 +163,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_new: list[int] = []
-        for seq in self.running:  # last step's commits: register the blocks they filled
-            self._register(seq)
+        if any(bm.prefix_cache is not None for bm in self.block_managers):
+            for seq in self.running:  # last step's commits: register the blocks they filled
+                self._register(seq)
         # 1. running sequences, oldest first; preempt the newest when the pool runs short.
-        for seq in sorted(self.running, key=lambda s: s.seq_id):
-            if seq not in self.running:  # preempted in this loop
+        for seq in sorted(self.running, key=_seq_id):
+            if seq.status != Status.RUNNING:  # preempted in this loop
                 continue
             remaining = seq.num_tokens - seq.num_computed
             chunk = min(remaining, budget) if remaining > 1 else remaining
@@ -158,6 +176,12 @@ class Scheduler:
                 continue
             base = seq.num_computed + chunk
             desired = self.lookahead(seq) if chunk == remaining else 0
+            if desired == 0 and self._try_append(seq, base):  # the common plain decode: one call per pool
+                seq.lookahead = 0
+                seqs.append(seq)
+                num_new.append(chunk)
+                budget -= chunk
+                continue
             # Under pressure, shrink the lookahead (speculation length) first, then preempt the newest.
             granted = self._grant(seq, base, desired)
             while granted is None:
