@@ -28,7 +28,8 @@ import torch
 from specdec.kernels._triton import tl, triton
 from specdec.kernels.paged_attention_reference import paged_attention_reference
 
-__all__ = ["paged_attention", "paged_attention_reference", "launch_plan", "attention_configs", "num_kv_splits"]
+__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_uniform", "launch_plan",
+           "attention_configs", "num_kv_splits"]
 
 
 @triton.jit
@@ -520,6 +521,38 @@ def paged_attention(
     if plan.reduce_grid is not None:
         _paged_attention_reduce_kernel[plan.reduce_grid](**plan.reduce_args, **plan.reduce_constexprs, num_warps=4)
     return plan.out
+
+
+def paged_attention_uniform(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_q_lens: torch.Tensor,
+    q_len: int,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton paged attention for a uniform causal batch (every sequence has ``q_len`` new tokens), capturable in
+    a CUDA graph: same semantics as :func:`paged_attention` with ``cu_q_lens = [0, q_len, 2 q_len, ...]``.
+
+    Nothing here reads a device value on CUDA: the grid (``T // BLOCK_Q + B`` q tiles, Hkv, splits), the tile
+    configuration (from ``q_len``, a Python int) and the KV split plan (from ``max_blocks * block_size``, the block
+    table's capacity) come from shapes and Python ints only, so a replay with other ``seq_lens`` / block tables
+    of the same shapes is the same launch. ``cu_q_lens`` is still passed (the kernel reads it on the device): the
+    static forward keeps it in a persistent buffer.
+
+    Args: as :func:`paged_attention`; q ``[B * q_len, Hq, D]``, ``q_len >= 1`` a Python int.
+    """
+    num_seqs = block_tables.shape[0]
+    if not isinstance(q_len, int) or isinstance(q_len, bool) or q_len < 1:
+        raise ValueError(f"q_len must be a Python int >= 1 (part of the static shape), got {q_len!r}")
+    if q.shape[0] != num_seqs * q_len:
+        raise ValueError(f"a uniform batch of {num_seqs} sequences x q_len {q_len} needs {num_seqs * q_len} q rows, "
+                         f"got {q.shape[0]}")
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, num_splits=num_splits)
 
 
 def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr):

@@ -205,3 +205,57 @@ def _attend_one(out, q, k_cache, v_cache, seq: _LongSequence, scale: float) -> N
         values.float().transpose(0, 1)[None], attn_mask=seq.visible, scale=scale, enable_gqa=True,
     )  # [1, Hq, q_len, D]
     out[seq.rows] = attended[0].transpose(0, 1).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------- uniform (static-shape) batches
+
+
+def paged_attention_uniform_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Paged attention for a *uniform* causal batch, with no host read and no data-dependent shape.
+
+    Every one of the B sequences has the same number of new tokens ``q_len`` (a decode: 1; a draft step: 1; a
+    chain verification window: k + 1), so the padded layout is fixed by the shapes alone: this is the attention
+    of the static forward that ``torch.compile(fullgraph=True)`` traces and a CUDA graph captures
+    (``specdec/engine/cuda_graphs.py``). It computes what :func:`paged_attention_reference` computes for such a
+    batch (causal, no tree mask), always gathering the block table's whole width: the cost follows
+    ``max_blocks``, not the sequences' lengths.
+
+    Args:
+        q: ``[B * q_len, Hq, D]``; rows ``b * q_len : (b + 1) * q_len`` are sequence b's last ``q_len`` positions.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; the new tokens' K/V are already written.
+        block_tables: int32 ``[B, max_blocks]``; entries past a sequence's last block may hold anything (they
+            are read as block 0 and masked).
+        seq_lens: int32 ``[B]``, ``q_len <= seq_len <= max_blocks * block_size`` (not checked: checking would
+            read the values).
+        q_len: new tokens per sequence, a Python int (part of the static shape).
+        scale: softmax scale.
+    Returns:
+        ``[B * q_len, Hq, D]`` in q's dtype (computed in fp32).
+    """
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_q_heads = q.shape[1]
+    max_len = max_blocks * block_size
+    lens = seq_lens.long()  # [B]
+    # Entries past a sequence's end may hold anything (even ids outside the pool): read block 0 there, masked.
+    used = torch.arange(max_blocks, device=q.device)[None, :] * block_size < lens[:, None]  # [B, nb]
+    blocks = torch.where(used, block_tables.long(), 0)  # [B, nb]
+    keys = k_cache[blocks].view(num_seqs, max_len, num_kv_heads, head_dim)  # [B, Lmax, Hkv, D]
+    values = v_cache[blocks].view(num_seqs, max_len, num_kv_heads, head_dim)  # [B, Lmax, Hkv, D]
+    # Query i of sequence b sits at position seq_len - q_len + i and sees the keys up to it (so < seq_len).
+    query_pos = lens[:, None] - q_len + torch.arange(q_len, device=q.device)[None, :]  # [B, q_len]
+    visible = torch.arange(max_len, device=q.device)[None, None, :] <= query_pos[:, :, None]  # [B, q_len, Lmax]
+    attended = scaled_dot_product_attention(
+        q.view(num_seqs, q_len, num_q_heads, head_dim).float().transpose(1, 2),
+        keys.float().transpose(1, 2), values.float().transpose(1, 2),
+        attn_mask=visible[:, None], scale=scale, enable_gqa=True,
+    )  # [B, Hq, q_len, D]
+    return attended.transpose(1, 2).reshape(num_seqs * q_len, num_q_heads, head_dim).to(q.dtype)

@@ -32,6 +32,10 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...]
     prepack_weights: bool | None = None
     enable_prefix_caching: bool = True  # share cached full KV blocks of common prefixes (docs/architecture.md)
+    # False: on CUDA uniform batches (decodes, draft steps, k+1 windows) are meant to replay CUDA graphs
+    # (specdec/engine/cuda_graphs.py, static_forward_mode); True: every forward eager. No effect on CPU. Not yet
+    # read by the model runner (docs/architecture.md, "CUDA graphs and the static forward").
+    enforce_eager: bool = False
 
     @classmethod
     def create(
@@ -49,6 +53,7 @@ class EngineConfig:
         lookahead_slots: int = 0,
         prepack_weights: bool | None = None,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -62,6 +67,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
         torch_dtype = resolve_dtype(dtype, model_config, dev)
@@ -85,7 +92,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1 (tokens computed per step; None = "
                              f"max(2048, max_model_len)), got {max_num_batched_tokens!r}")
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
-                   num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching)
+                   num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching,
+                   enforce_eager)
 
 
 def eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:

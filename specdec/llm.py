@@ -30,6 +30,10 @@ class LLM:
         speculative: a SpeculativeConfig to decode speculatively (lossless), or None for plain decoding.
         enable_prefix_caching: share the cached KV blocks of a common prompt prefix between requests, so that a
             request computes only what follows the cached prefix (docs/architecture.md, "Prefix caching").
+        enforce_eager: run every forward eagerly. False (default): on CUDA, uniform batches - decodes, draft steps,
+            k+1 verification windows - are to replay CUDA graphs captured per batch-size bucket; no effect on CPU,
+            which runs eager. Validated and stored; the model runner does not use graphs yet (docs/architecture.md,
+            "CUDA graphs and the static forward").
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class LLM:
         speculative: SpeculativeConfig | None = None,
         prepack_weights: bool | None = None,
         enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
     ):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -58,6 +63,7 @@ class LLM:
             kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
             lookahead_slots=speculative.tree_nodes(speculative.num_speculative_tokens) if speculative else 0,
             prepack_weights=prepack_weights, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call

@@ -18,6 +18,7 @@ import torch
 from specdec.kernels import block_verify as _block_verify
 from specdec.kernels import kv_compact as _kv_compact
 from specdec.kernels import paged_attention as _attention
+from specdec.kernels import paged_attention_reference as _attention_reference
 from specdec.kernels import softmax as _softmax
 from specdec.kernels import spec_sample as _spec_sample
 from specdec.kernels import top_k_top_p as _top_k_top_p
@@ -75,8 +76,23 @@ def paged_attention(
     scale: float,
     tree_mask: torch.Tensor | None = None,
     tree_mask_indptr: torch.Tensor | None = None,
+    uniform_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Paged attention; see :func:`specdec.kernels.paged_attention.paged_attention_reference` for shapes."""
+    """Paged attention; see :func:`specdec.kernels.paged_attention.paged_attention_reference` for shapes.
+
+    ``uniform_q_len``: a Python int when every sequence has exactly that many new tokens and is causal (decode,
+    draft step, chain verification window). Then the op runs its static-shape, host-read-free variant
+    (``paged_attention_uniform`` / ``paged_attention_uniform_reference``) - what a CUDA graph captures and
+    ``torch.compile(fullgraph=True)`` traces. None (default): the general ragged path.
+    """
+    if uniform_q_len is not None:
+        if tree_mask is not None:
+            raise ValueError("uniform_q_len is for causal batches; a tree mask needs uniform_q_len=None")
+        if use_triton(q):
+            return _launcher(_attention, "paged_attention_uniform")(
+                q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, uniform_q_len, scale)
+        return _attention_reference.paged_attention_uniform_reference(
+            q, k_cache, v_cache, block_tables, seq_lens, uniform_q_len, scale)
     fn = _launcher(_attention, "paged_attention") if use_triton(q) else _attention.paged_attention_reference
     return fn(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr)
 

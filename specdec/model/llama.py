@@ -33,6 +33,10 @@ class AttentionMetadata:
     cu_q_lens: torch.Tensor  # int32 [B+1]   cumulative new-token counts
     tree_mask: torch.Tensor | None = None  # bool [sum(q_len_b^2)] packed per-sequence masks (None = causal)
     tree_mask_indptr: torch.Tensor | None = None  # int32 [B+1]
+    # Static: every sequence has exactly this many new tokens (T = B * uniform_q_len) and is causal - a decode,
+    # a draft step or a chain verification window. Attention then takes its host-read-free static-shape path
+    # (ops.paged_attention), the one CUDA graphs capture (specdec/engine/cuda_graphs.py). None: ragged batch.
+    uniform_q_len: int | None = None
 
 
 class RMSNorm(nn.Module):
@@ -79,7 +83,7 @@ class Attention(nn.Module):
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[meta.slot_mapping] = v.to(v_cache.dtype)
         out = ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q_lens, self.scale,
-            meta.tree_mask, meta.tree_mask_indptr,
+            meta.tree_mask, meta.tree_mask_indptr, uniform_q_len=meta.uniform_q_len,
         )  # (T, Hq, D)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -143,6 +147,19 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # int64 (N,) rows of the flattened batch whose logits are wanted
     ) -> torch.Tensor:
+        return self.forward_traceable(input_ids, positions, kv_cache, meta, logits_indices)
+
+    def forward_traceable(
+        self,
+        input_ids: torch.Tensor,  # int64 (T,)
+        positions: torch.Tensor,  # int64 (T,)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each (L, num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # int64 (N,)
+    ) -> torch.Tensor:
+        """``forward`` without its ``inference_mode`` decorator, for ``torch.compile`` (call it under
+        ``torch.no_grad()``): Dynamo fails on the K/V cache writes inside inference mode ("Cannot set
+        version_counter for inference tensor", torch 2.13). Same inputs and output as ``forward``."""
         k_caches, v_caches = kv_cache
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
