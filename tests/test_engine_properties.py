@@ -79,10 +79,10 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypat
     forward = engine.runner.forward
     by_id = lambda seq_id: next((s for s in engine.scheduler.running if s.seq_id == seq_id), None)  # noqa: E731
 
-    def faulty_forward(items):
+    def faulty_forward(items, input_ids=None):  # input_ids: a round's drafts on the device
         if any((s := by_id(it.seq_id)) is not None and is_poisoned(s, "forward") for it in items):
             raise Poison("poisoned forward")
-        return forward(items)
+        return forward(items, input_ids=input_ids)
 
     monkeypatch.setattr(engine.runner, "forward", faulty_forward)
     if engine.speculative is not None:

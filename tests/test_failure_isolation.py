@@ -90,12 +90,12 @@ def _inject(monkeypatch, engine, stage: str) -> None:
     if stage in ("forward", "nan_logits"):
         forward = engine.runner.forward
 
-        def faulty_forward(items):
+        def faulty_forward(items, input_ids=None):  # input_ids: a round's drafts on the device
             seqs = [seq_of(it.seq_id) for it in items]
             hit = [s is not None and _is_victim(s) for s in seqs]
             if stage == "forward" and any(hit):
                 raise InjectedFault("target forward failed for the victim")
-            logits = forward(items)
+            logits = forward(items, input_ids=input_ids)
             if any(hit):  # NaN in every logits row of the victim
                 row, rows = 0, []
                 for it, h in zip(items, hit):
@@ -208,7 +208,7 @@ def test_a_fault_in_one_request_leaves_the_others_untouched(engines, monkeypatch
 def test_a_forward_that_always_fails_ends_the_requests_of_that_step_cleanly(engines, monkeypatch, mode):
     engine = engines[mode]
     with monkeypatch.context() as patch:
-        def broken(items):
+        def broken(items, input_ids=None):
             raise InjectedFault("the device is gone")
 
         patch.setattr(engine.runner, "forward", broken)
@@ -226,11 +226,11 @@ def test_a_transient_forward_failure_is_retried_and_fails_nobody(engines, monkey
     forward = engine.runner.forward
     calls = {"n": 0}
 
-    def flaky(items):
+    def flaky(items, input_ids=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise InjectedFault("one bad forward")
-        return forward(items)
+        return forward(items, input_ids=input_ids)
 
     with monkeypatch.context() as patch:
         patch.setattr(engine.runner, "forward", flaky)

@@ -163,8 +163,8 @@ def test_a_failing_sample_ends_alone(plain, monkeypatch):
     engine = plain.engine
     forward = engine.runner.forward
 
-    def nan_for_sample_1(items):
-        logits = forward(items)
+    def nan_for_sample_1(items, input_ids=None):
+        logits = forward(items, input_ids=input_ids)
         running = {s.seq_id: s for s in engine.scheduler.running}
         row, rows = 0, []
         for it in items:

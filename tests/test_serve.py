@@ -384,12 +384,12 @@ def test_engine_failure_ends_request_with_error(servers):
     engine = server.llm.engine
     forward = engine.runner.forward
 
-    def faulty(items):
+    def faulty(items, input_ids=None):
         for it in items:
             seq = next((s for s in engine.scheduler.running if s.seq_id == it.seq_id), None)
             if seq is not None and seq.prompt == "poison":
                 raise RuntimeError("injected fault")
-        return forward(items)
+        return forward(items, input_ids=input_ids)
 
     server.async_engine.call_sync(lambda e: setattr(e.runner, "forward", faulty))
     try:

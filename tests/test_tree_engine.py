@@ -166,10 +166,10 @@ def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypat
     victim = ps[2]
     real = speculative_module.verify_trees
 
-    def faulty(logits, seqs, proposal):
+    def faulty(logits, seqs, proposal, **kwargs):
         if any(s.prompt_token_ids == victim and len(s.output_token_ids) >= 3 for s in seqs):
             raise RuntimeError("tree verification failed for the victim")
-        return real(logits, seqs, proposal)
+        return real(logits, seqs, proposal, **kwargs)
 
     monkeypatch.setattr(speculative_module, "verify_trees", faulty)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)

@@ -22,12 +22,14 @@ class CombinedDrafter:
         if not misses:
             return free
         model = self.draft_model.propose([seqs[i] for i in misses], [num_tokens[i] for i in misses])
+        # merged with host drafts: the model's drafts are read here (a second host read in such a round)
+        model_drafts = model.read_token_ids([seqs[i].request_id for i in misses])
         drafts = list(free.token_ids)
         is_onehot = list(free.is_onehot)
         forwards = [0] * len(drafts)
         from_model: dict[int, int] = {}
         for j, i in enumerate(misses):
-            drafts[i] = model.token_ids[j]
+            drafts[i] = model_drafts[j]
             is_onehot[i] = model.is_onehot[j]
             forwards[i] = model.draft_forwards[j] if model.draft_forwards else 0
             from_model[i] = j
@@ -37,7 +39,7 @@ class CombinedDrafter:
             probs = torch.zeros(sum(len(d) for d in drafts), model.probs.shape[1], dtype=model.probs.dtype,
                                 device=model.probs.device)
             model_offsets = [0]
-            for d in model.token_ids:
+            for d in model_drafts:
                 model_offsets.append(model_offsets[-1] + len(d))
             row = 0
             for i, d in enumerate(drafts):
@@ -60,11 +62,12 @@ class CombinedDrafter:
             model_trees, model_probs = model.trees, model.probs
         else:
             model = self.draft_model.propose(sub, [min(max_depths[i], max_nodes[i]) for i in misses])
-            model_trees = [DraftTree.chain(s.last_token_id, d) for s, d in zip(sub, model.token_ids)]
+            model_drafts = model.read_token_ids([s.request_id for s in sub])
+            model_trees = [DraftTree.chain(s.last_token_id, d) for s, d in zip(sub, model_drafts)]
             model_probs = None
             if model.probs is not None:  # chain rows -> node rows: node j's children were drawn from row j
                 rows, start = [], 0
-                for d in model.token_ids:
+                for d in model_drafts:
                     rows += [model.probs[start : start + len(d)], model.probs.new_zeros(1, model.probs.shape[1])]
                     start += len(d)
                 model_probs = torch.cat(rows)  # [sum(k_b + 1), V]; each leaf row unread (zeros)

@@ -14,7 +14,7 @@ uses exactly that q) stays lossless - the target still emits them through the re
 
 from __future__ import annotations
 
-import time
+import functools
 
 import torch
 
@@ -22,12 +22,13 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_tree import TreeShape, propose_tree
+from specdec.engine.adaptive import ForwardTimer
 from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.engine.sequence import Sequence
 from specdec.kernels.philox import STREAM_DRAFT, round_stream
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
-from specdec.sampling.sampler import read_checked, sample_rows
+from specdec.sampling.sampler import sample_rows
 
 UNKNOWN_ID_STANDIN = 0  # what the draft is fed in place of a target id beyond its vocabulary
 
@@ -41,7 +42,10 @@ class DraftModelDrafter:
         self.target_vocab_size = target_vocab_size
         self.vocab_size = config.vocab_size  # <= target_vocab_size (drafters/compat.py)
         self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
-        self.on_forward = None  # optional callback (batch_size, seconds) per draft forward, for the cost model
+        # adaptive k's draft timings: the timer (engine/adaptive.py) and its callback (batch_size, seconds) per
+        # draft step; both None when adaptive k is off (nothing is timed)
+        self.timer: ForwardTimer | None = None
+        self.on_forward = None
         self.tree_shape: TreeShape | None = None  # how propose_tree grows trees (set by the SpeculativeDecoder)
         # seq id -> {tree node (DFS index) -> its position in the draft cache}, for the nodes fed this round
         self.tree_positions: dict[int, dict[int, int]] = {}
@@ -57,12 +61,13 @@ class DraftModelDrafter:
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
         """Draft ``num_tokens[i]`` tokens for ``seqs[i]``, batched: k steps, each one forward over the requests
-        still drafting. The drafted ids stay on the device between steps and are read once, after the last
-        step (with the NaN/inf check of every step), unless a request uses penalties: their context needs the
-        drafts so far on the host, so then each step reads its tokens."""
+        still drafting. No host read: the drafted ids stay on the device (``DraftProposal.device_ids``, with the
+        NaN/inf flags of every step in ``bad_rows``) through the target forward, and come to the host with the
+        verification result - unless a request uses penalties: their context needs the drafts so far on the
+        host, so then each step reads its tokens (``token_ids`` is then filled too)."""
         q_rows: list[list[torch.Tensor | None]] = [[] for _ in seqs]
         step_tokens: list[torch.Tensor] = []  # per step: int64 [len(active)] drafted ids, on the device
-        step_rows: list[list[int]] = []  # per step: which requests the rows of step_tokens belong to
+        owners: list[int] = []  # request of each row of torch.cat(step_tokens)
         bad_rows: list[torch.Tensor] = []  # per step: bool [len(active)] rows with NaN/inf draft logits
         host_drafts: list[list[int]] | None = [[] for _ in seqs] if any(s.params.has_penalties for s in seqs) else None
         active = [i for i, k in enumerate(num_tokens) if k > 0]
@@ -75,18 +80,18 @@ class DraftModelDrafter:
         input_ids = None  # after step 0: the previous step's drafts, still on the device
         step = 0
         while items:
-            start = time.perf_counter()
+            # step 0 includes catch-up: only pure draft steps are timed (for adaptive k; no host sync)
+            timed = self.timer is not None and step > 0
+            start = self.timer.start(self.runner.device) if timed else None
             logits = self.runner.forward(items, input_ids=input_ids)  # (len(items), V_draft)
-            if self.on_forward is not None and step > 0:  # step 0 includes catch-up; time pure draft steps
-                if logits.is_cuda:
-                    torch.cuda.synchronize()
-                self.on_forward(len(items), time.perf_counter() - start)
+            if timed:
+                self.timer.stop(start, functools.partial(self.on_forward, len(items)))
             for i in active:
                 self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
             tokens, probs = self._sample(logits, [seqs[i] for i in active], step,
                                          [host_drafts[i] for i in active] if host_drafts else None, bad_rows)
             step_tokens.append(tokens)
-            step_rows.append(active)
+            owners += active
             if host_drafts is not None:
                 for i, t in zip(active, tokens.tolist()):  # penalties need the drafts on the host every step
                     host_drafts[i].append(t)
@@ -99,13 +104,14 @@ class DraftModelDrafter:
                                                                                       device=tokens.device)]
             items = [ForwardItem(seqs[i].seq_id, [UNKNOWN_ID_STANDIN], seqs[i].num_tokens + step - 1, 1)
                      for i in active]  # the ids themselves come from input_ids
-        drafts = self._read_drafts(seqs, step_tokens, step_rows, bad_rows)
+        counts = [len(rows) for rows in q_rows]
+        device_ids, bad = _request_major(step_tokens, bad_rows, owners, self.runner.device)
         is_onehot = [seq.params.is_greedy for seq in seqs]  # greedy drafts are deterministic: q is one-hot
         flat_q = [q for i, rows in enumerate(q_rows) if not is_onehot[i] for q in rows]
         probs = None
         if flat_q:
             vocab = self.target_vocab_size
-            probs = torch.zeros(sum(len(d) for d in drafts), vocab, dtype=torch.float32, device=flat_q[0].device)
+            probs = torch.zeros(sum(counts), vocab, dtype=torch.float32, device=flat_q[0].device)
             r = 0
             for i, rows in enumerate(q_rows):
                 for q in rows:
@@ -113,31 +119,14 @@ class DraftModelDrafter:
                         probs[r, : q.shape[0]] = q  # a smaller draft vocab is zero-padded
                     r += 1
         # request i took part in one draft forward per draft token (the first includes its catch-up)
-        return DraftProposal(drafts, probs, is_onehot, [len(d) for d in drafts])
+        return DraftProposal(host_drafts, probs, is_onehot, counts, device_ids=device_ids, bad_rows=bad,
+                             num_drafts=counts)
 
     def _in_vocab(self, ids: list[int]) -> list[int]:
         """``ids`` as the draft may see them: ids beyond its vocabulary replaced by ``UNKNOWN_ID_STANDIN``."""
         if self.vocab_size >= self.target_vocab_size:
             return ids
         return [t if t < self.vocab_size else UNKNOWN_ID_STANDIN for t in ids]
-
-    def _read_drafts(self, seqs: list[Sequence], step_tokens: list[torch.Tensor], step_rows: list[list[int]],
-                     bad_rows: list[torch.Tensor]) -> list[list[int]]:
-        """The drafts of every request, from the device in one read; ``FloatingPointError`` naming the requests
-        whose draft logits were NaN/inf at some step."""
-        drafts: list[list[int]] = [[] for _ in seqs]
-        if not step_tokens:
-            return drafts
-        ids, bad = read_checked(torch.cat(step_tokens), torch.cat(bad_rows))  # the one host read
-        owners = [i for rows in step_rows for i in rows]  # request of each flat row
-        for i, token in zip(owners, ids):
-            drafts[i].append(token)
-        failed = {owners[r] for r in bad}
-        if failed:
-            names = sorted(seqs[i].request_id for i in failed)
-            raise FloatingPointError(f"non-finite draft logits (NaN or inf) for requests {names}; "
-                                     "refusing to sample from them")
-        return drafts
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], step: int, drafts: list[list[int]] | None,
                 bad_rows: list[torch.Tensor]):
@@ -174,3 +163,14 @@ class DraftModelDrafter:
     def free(self, seq: Sequence) -> None:
         self.kv_len.pop(seq.seq_id, None)
         self.tree_positions.pop(seq.seq_id, None)
+
+
+def _request_major(step_tokens: list[torch.Tensor], bad_rows: list[torch.Tensor], owners: list[int],
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts and their NaN/inf flags in request order: ``(int64 [N], bool [N])`` from the step-major rows
+    (``owners[r]``: the request of row r of the concatenated steps); no host read."""
+    if not step_tokens:
+        return (torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.bool, device=device))
+    order = sorted(range(len(owners)), key=owners.__getitem__)  # stable: a request's rows stay in step order
+    index = torch.tensor(order, dtype=torch.int64, device=device)
+    return torch.cat(step_tokens)[index], torch.cat(bad_rows)[index]

@@ -2,13 +2,14 @@
 
 ``engine/step.py`` runs the step: requests that do not speculate (prefill chunks, ``k_eff <= 0``, a model-free
 drafter with no match) ride in the same target forward as plain rows, with no verification overhead. Stop
-conditions are checked at commit, on accepted tokens only (``LLMEngine._process``).
+conditions are checked at commit, on accepted tokens only (``LLMEngine._process``). A draft model's chain drafts
+stay on the device from the draft loop through the target forward (:func:`target_input_ids`) to verification,
+whose one host read brings them back with the result (docs/architecture.md, "Host reads").
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,7 +26,8 @@ from specdec.drafters.draft_tree import TreeShape
 from specdec.drafters.ngram import NgramDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.tree import DraftTree
-from specdec.engine.adaptive import AdaptiveK, MeasuredCostModel
+from specdec.engine.adaptive import AdaptiveK, ForwardTimer, MeasuredCostModel
+from specdec.engine.model_runner import ForwardItem
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
 from specdec.model.config import ModelConfig, resolve_dtype
@@ -56,7 +58,9 @@ class SpeculativeDecoder:
             self.drafter = lookup
         self.cost_model = spec.cost_model or MeasuredCostModel(is_model_free=not spec.uses_draft_model)
         self.adaptive = AdaptiveK(self.k, self.cost_model) if spec.adaptive else None
-        if model_drafter is not None and self.adaptive is not None:  # draft timings feed adaptive k only
+        self.timer = ForwardTimer() if self.adaptive is not None else None  # forwards are timed for adaptive k only
+        if model_drafter is not None and self.timer is not None:
+            model_drafter.timer = self.timer
             model_drafter.on_forward = self.cost_model.observe_draft
         if model_drafter is not None:
             model_drafter.noise_per_round = spec.verify == "block"  # fresh drafts every round (block_verify.py)
@@ -124,36 +128,48 @@ class SpeculativeDecoder:
         else:
             proposal = self.drafter.propose(speculating, ks)
         # requests the drafter had nothing for take a plain step
-        keep = [i for i, d in enumerate(proposal.token_ids) if d]
+        counts = proposal.counts()
+        keep = [i for i, n in enumerate(counts) if n]
         seqs = [speculating[i] for i in keep]
         forwards = proposal.draft_forwards or [0] * len(speculating)
+        host = proposal.token_ids
         return Drafts(
-            seqs, {speculating[i].seq_id: proposal.token_ids[i] for i in keep}, _select(proposal, keep),
-            k_granted, {s.seq_id: f for s, f in zip(speculating, forwards)},
+            seqs, {speculating[i].seq_id: counts[i] for i in keep}, _select(proposal, keep), k_granted,
+            {s.seq_id: f for s, f in zip(speculating, forwards)},
             {speculating[i].seq_id: proposal.trees[i] for i in keep} if proposal.trees is not None else None,
+            {speculating[i].seq_id: host[i] for i in keep} if host is not None else {},
         )
 
-    def observe_target(self, logits: torch.Tensor, batch_size: int, num_tokens: int, start: float) -> None:
-        """Time the target forward for the cost model - only when adaptive k uses it (a sync on CUDA)."""
-        if self.adaptive is None:
-            return
-        if logits.is_cuda:
-            torch.cuda.synchronize()
-        self.cost_model.observe_target(batch_size, num_tokens, time.perf_counter() - start)
+    def start_target_timer(self, device) -> object | None:
+        """A start mark for timing the target forward, or None when adaptive k is off (nothing is timed)."""
+        return self.timer.start(device) if self.timer is not None else None
+
+    def observe_target(self, start: object, batch_size: int, num_tokens: int) -> None:
+        """The target forward begun at ``start`` feeds the cost model (recorded by ``flush_timings``, no sync)."""
+        self.timer.stop(start, lambda seconds: self.cost_model.observe_target(batch_size, num_tokens, seconds))
+
+    def flush_timings(self) -> None:
+        """Hand the cost model the forward timings that have completed (after the step's host read)."""
+        if self.timer is not None:
+            self.timer.flush()
 
     def verify(self, logits: torch.Tensor, drafts: Drafts) -> dict[int, tuple[list[int], int, list[int] | None]]:
         """seq id -> (emitted tokens, accepted drafts, accepted tree nodes or None for a chain) for every request
-        in ``drafts.seqs``.
+        in ``drafts.seqs``, in one host read that also brings back ``drafts.read_with`` (to ``drafts.read_back``).
 
         Args:
             logits: fp32 ``[sum(k_b + 1), V]``, the target rows of the verification windows in ``drafts.seqs``
                 order (a tree's window: ``n_b + 1`` rows, its nodes in DFS order).
         """
+        with_plain = {"read_with": drafts.read_with} if drafts.read_with is not None else {}  # a mixed step
         if drafts.trees is not None:
-            result = verify_trees(logits, drafts.seqs, drafts.proposal)
+            result = verify_trees(logits, drafts.seqs, drafts.proposal, **with_plain)
+            drafts.read_back = result.read_with
             return {s.seq_id: (e, a, nodes) for s, e, a, nodes in
                     zip(drafts.seqs, result.emitted, result.num_accepted, result.accepted_nodes)}
-        result = verify(logits, drafts.seqs, drafts.proposal, method=self.spec.verify)
+        result = verify(logits, drafts.seqs, drafts.proposal, method=self.spec.verify, **with_plain)
+        drafts.read_back = result.read_with
+        drafts.token_ids.update((s.seq_id, d) for s, d in zip(drafts.seqs, result.drafts))  # now on the host
         return {s.seq_id: (e, a, None) for s, e, a in zip(drafts.seqs, result.emitted, result.num_accepted)}
 
     def compact_trees(self, drafts: Drafts, verified: dict[int, tuple[list[int], int, list[int] | None]],
@@ -225,10 +241,31 @@ def _compact(pool: KVPool, src: list[int], dst: list[int]) -> None:
                        torch.tensor(dst, dtype=torch.int64, device=device))
 
 
+def target_input_ids(items: list[ForwardItem], drafts: Drafts | None, device: torch.device) -> torch.Tensor | None:
+    """int64 ``[sum(len(item.token_ids))]`` on ``device``: the target forward's input ids when some verification
+    window's drafts are only on the device - the items' host ids, with each such window's drafts scattered in
+    (its ``token_ids`` hold placeholders there) - or None when every id is on the host. No host read.
+
+    ``items`` are in batch order, and so are ``drafts.seqs`` and the proposal's device drafts."""
+    if drafts is None or not drafts.seqs or drafts.trees is not None or drafts.proposal.token_ids is not None:
+        return None
+    windows = dict(zip((s.seq_id for s in drafts.seqs), drafts.proposal.counts()))
+    slots, start = [], 0  # where each device draft goes in the flat ids, in drafts.seqs order
+    for item in items:
+        k = windows.get(item.seq_id)
+        if k:
+            slots += range(start + 1, start + 1 + k)  # after the window's last token
+        start += len(item.token_ids)
+    ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.int64, device=device)
+    ids[torch.tensor(slots, dtype=torch.int64, device=device)] = drafts.proposal.device_ids
+    return ids
+
+
 def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
     """The proposal restricted to requests ``keep`` (those that drafted at least one token; the q rows of the
     others are empty, so ``probs`` needs no slicing)."""
-    if len(keep) == len(proposal.token_ids):
+    counts = proposal.counts()
+    if len(keep) == len(counts):
         return proposal
     trees = [proposal.trees[i] for i in keep] if proposal.trees is not None else None
     probs = proposal.probs
@@ -238,8 +275,18 @@ def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
             starts.append(starts[-1] + len(t.token_ids))
         rows = [r for i in keep for r in range(starts[i], starts[i + 1])]
         probs = probs[torch.tensor(rows, dtype=torch.int64, device=probs.device)]
-    return DraftProposal([proposal.token_ids[i] for i in keep], probs, [proposal.is_onehot[i] for i in keep],
-                         None, trees)
+    device_ids, bad_rows = proposal.device_ids, proposal.bad_rows
+    if device_ids is not None:  # the drafts' flat rows of the kept requests
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        index = torch.tensor([r for i in keep for r in range(starts[i], starts[i + 1])], dtype=torch.int64,
+                             device=device_ids.device)
+        device_ids = device_ids[index]
+        bad_rows = bad_rows[index] if bad_rows is not None else None
+    host = [proposal.token_ids[i] for i in keep] if proposal.token_ids is not None else None
+    return DraftProposal(host, probs, [proposal.is_onehot[i] for i in keep], None, trees, device_ids, bad_rows,
+                         [counts[i] for i in keep])
 
 
 @dataclass
@@ -247,8 +294,15 @@ class Drafts:
     """The drafting half of a round."""
 
     seqs: list[Sequence]  # requests that drafted at least one token, in batch order
-    token_ids: dict[int, list[int]]  # seq id -> its drafts
+    num_drafts: dict[int, int]  # seq id -> its number of drafts (k_b >= 1), for every request in ``seqs``
     proposal: DraftProposal | None  # restricted to ``seqs``
     k_granted: dict[int, int]  # seq id -> lookahead granted, for every decode step of the batch
     draft_forwards: dict[int, int]  # seq id -> draft-model forwards it took part in
     trees: dict[int, DraftTree] | None = None  # seq id -> its draft tree, when this round drafted trees
+    # seq id -> its drafts on the host: from the drafter when it had them there (model-free drafters, trees,
+    # penalties), else filled by verification's read
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # a mixed step's plain rows: int64 values on the device that verification's one host read brings back too,
+    # and their host copy after it
+    read_with: torch.Tensor | None = None
+    read_back: list[int] = field(default_factory=list)

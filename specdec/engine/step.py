@@ -10,14 +10,19 @@ request. That split is what failure isolation rests on (docs/architecture.md, "F
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
+import torch
+
+from specdec.engine import plain_step
 from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
+from specdec.engine.speculative import target_input_ids
 from specdec.sampling.logprobs import TokenLogprobs, attach_logprobs
+
+DEVICE_DRAFT = 0  # a verification window's placeholder id for a draft that is only on the device (input_ids)
 
 
 @dataclass
@@ -47,20 +52,23 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
     drafts = spec.draft(batch) if spec is not None else None
     items: list[ForwardItem] = []
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        d = drafts.token_ids.get(seq.seq_id) if drafts else None
+        k = drafts.num_drafts.get(seq.seq_id) if drafts else None
         tree = drafts.trees.get(seq.seq_id) if drafts and drafts.trees else None
-        if d and tree is not None:  # a tree window: its nodes in DFS order, node i at RoPE ctx + depth(i)
+        if k and tree is not None:  # a tree window: its nodes in DFS order, node i at RoPE ctx + depth(i)
             items.append(ForwardItem(seq.seq_id, list(tree.token_ids), seq.num_computed, len(tree.token_ids),
                                      positions=[seq.num_computed + depth for depth in tree.depths],
                                      mask=tree.mask()))
-        elif d:  # a verification window: the last token, then the drafts
-            items.append(ForwardItem(seq.seq_id, [seq.last_token_id] + d, seq.num_computed, len(d) + 1))
+        elif k:  # a verification window: the last token, then the drafts (placeholders while on the device)
+            d = drafts.token_ids.get(seq.seq_id, [DEVICE_DRAFT] * k)
+            items.append(ForwardItem(seq.seq_id, [seq.last_token_id] + d, seq.num_computed, k + 1))
         else:
             items.append(plain_item(seq, n))
-    start = time.perf_counter()
-    logits = runner.forward(items)  # (sum of num_logits, V) fp32
-    if spec is not None and observe_costs:
-        spec.observe_target(logits, len(items), sum(len(it.token_ids) for it in items), start)
+    input_ids = target_input_ids(items, drafts, runner.device)  # the device drafts, never read to the host
+    start = spec.start_target_timer(runner.device) if spec is not None and observe_costs else None
+    # (sum of num_logits, V) fp32; input_ids only when there are device drafts
+    logits = runner.forward(items) if input_ids is None else runner.forward(items, input_ids=input_ids)
+    if start is not None:
+        spec.observe_target(start, len(items), sum(len(it.token_ids) for it in items))
 
     spec_rows: list[int] = []
     plain_rows: list[int] = []
@@ -68,14 +76,19 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
     row = 0
     for item, seq in zip(items, batch.seqs):
         rows = range(row, row + item.num_logits)
-        if drafts and seq.seq_id in drafts.token_ids:
+        if drafts and seq.seq_id in drafts.num_drafts:
             spec_rows.extend(rows)
         elif item.num_logits:
             plain_rows.extend(rows)
             plain_seqs.append(seq)
         row += item.num_logits
-    sampled = sample_plain(logits[plain_rows], plain_seqs)
-    verified = spec.verify(logits[spec_rows], drafts) if drafts and drafts.seqs else {}
+    if drafts and drafts.seqs and plain_seqs:  # a mixed step: the plain tokens ride in verification's one read
+        drafts.read_with = _plain_tokens_on_device(logits[plain_rows], plain_seqs)
+        verified = spec.verify(logits[spec_rows], drafts)
+        sampled = _plain_tokens(drafts.read_back, plain_seqs)
+    else:
+        sampled = sample_plain(logits[plain_rows], plain_seqs)
+        verified = spec.verify(logits[spec_rows], drafts) if drafts and drafts.seqs else {}
     if verified and drafts.trees is not None:
         spec.compact_trees(drafts, verified, runner.block_manager)  # accepted paths -> contiguous K/V
 
@@ -87,7 +100,7 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
             emitted, accepted, nodes = verified[seq.seq_id]
             tree = drafts.trees.get(seq.seq_id) if drafts.trees else None
             # drafted positions: a chain's length, a tree's depth (its node count is in the proposal)
-            drafted = tree.max_depth if tree is not None else len(drafts.token_ids[seq.seq_id])
+            drafted = tree.max_depth if tree is not None else drafts.num_drafts[seq.seq_id]
             updates.append(RequestUpdate(seq, seq.num_computed + 1 + accepted, emitted, k_granted, drafted,
                                          accepted, True, forwards, accepted_nodes=nodes))
         else:
@@ -104,7 +117,30 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
             if u.accepted_nodes is not None:
                 token_rows[u.seq.seq_id] = [first_row[u.seq.seq_id] + node for node in [0, *u.accepted_nodes]]
         attach_logprobs(logits, updates, token_rows)
+    if spec is not None:
+        spec.flush_timings()  # after the step's host read: the timed forwards have completed
     return updates
+
+
+def _plain_tokens_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """int64 ``[2 * len(seqs)]`` on the device: the token sampled from each row of ``logits`` ``[len(seqs), V]``
+    (as ``sample_plain`` draws it), then each row's NaN/inf flag - for verification's host read to bring back."""
+    bad_rows: list[torch.Tensor] = []
+    tokens = plain_step.sample_next_tokens(
+        logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
+        [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], bad_rows=bad_rows,
+    )
+    return torch.cat([tokens, bad_rows[0].long()])
+
+
+def _plain_tokens(host: list[int], seqs: list[Sequence]) -> dict[int, list[int]]:
+    """seq id -> [its token] from the host copy of ``_plain_tokens_on_device``; ``FloatingPointError`` names the
+    requests whose rows were NaN/inf (as ``sample_plain`` does)."""
+    n = len(seqs)
+    names = [s.request_id for s, flag in zip(seqs, host[n:]) if flag]
+    if names:
+        raise FloatingPointError(f"non-finite logits (NaN or inf) for requests {names}; refusing to sample from them")
+    return {s.seq_id: [t] for s, t in zip(seqs, host[:n])}
 
 
 def undo_step(seqs: list[Sequence], spec=None) -> None:
