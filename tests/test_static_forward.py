@@ -260,21 +260,21 @@ def test_padded_bucket_matches_eager_and_padding_touches_only_the_scratch_block(
 
 
 def test_a_smaller_batch_resets_the_rows_of_a_previous_larger_one(tiny):
-    """Rows 2-3 of bucket 4 held real sequences in the first step; in the second (2 sequences) they must be
-    padding again, or they would rewrite those sequences' slots (which may since belong to someone else)."""
+    """Row 3 of bucket 4 held a real sequence in the first step; in the second (3 sequences, bucket 4 again) it
+    must be padding again, or it would rewrite that sequence's slot (which may since belong to someone else)."""
     model, config = tiny
     pool = new_pool(config)
     runner = make_runner(model, pool)
     first = uniform_batch([6, 7, 8, 9], 1, config.vocab_size, seed=2)
     runner.run(first["input_ids"], first["positions"], first["slot_mapping"], first["block_tables"],
                first["seq_lens"], 1)  # fmt: skip
-    stale = first["slot_mapping"][2:]
+    stale = first["slot_mapping"][3:]
     for cache in pool:  # those slots are freed and reused: mark them
         cache.view(config.num_hidden_layers, -1, config.num_key_value_heads, config.head_dim)[:, stale] = 7.0
-    second = {k: (v[:2] if k != "cu_q_lens" else v[:3]) for k, v in first.items()}
+    second = {k: (v[:3] if k != "cu_q_lens" else v[:4]) for k, v in first.items()}
     got = runner.run(second["input_ids"], second["positions"], second["slot_mapping"], second["block_tables"],
                      second["seq_lens"], 1)  # fmt: skip
-    assert got.shape == (2, config.vocab_size)
+    assert got.shape == (3, config.vocab_size) and runner.bucket(3, 1, 3).batch == 4
     for cache in pool:
         flat = cache.view(config.num_hidden_layers, -1, config.num_key_value_heads, config.head_dim)
         assert bool((flat[:, stale] == 7.0).all())
@@ -306,3 +306,18 @@ def test_enforce_eager_option(tiny_path):
     assert EngineConfig.create(tiny_path, device="cpu", max_model_len=64, enforce_eager=True).enforce_eager is True
     with pytest.raises(ValueError, match="enforce_eager must be True or False"):
         EngineConfig.create(tiny_path, device="cpu", max_model_len=64, enforce_eager="yes")
+
+
+def test_compile_mode_buckets_are_separate_compilations_not_recompiles(tiny):
+    """Each bucket's static forward has its own code object: a second bucket is a first compilation (a shared
+    function would be a recompile of the first, and after 8 buckets Dynamo's recompile limit would fall back)."""
+    model, config = tiny
+    runner = make_runner(model, new_pool(config), mode="compile", compile_options={"backend": "eager"})
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for lens in ([5, 9, 6], [7], [8, 10]):  # buckets 4, 1, 2
+            batch = uniform_batch(lens, 1, config.vocab_size, seed=len(lens))
+            got = runner.run(batch["input_ids"], batch["positions"], batch["slot_mapping"], batch["block_tables"],
+                             batch["seq_lens"], 1)  # fmt: skip
+            assert got.shape == (len(lens), config.vocab_size)
+    assert sorted(k.batch for k in runner._batches) == [1, 2, 4]

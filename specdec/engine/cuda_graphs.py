@@ -290,5 +290,5 @@ def _static_forward(model: LlamaForCausalLM, kv_cache: tuple[torch.Tensor, torch
         return model.forward_traceable(ids, positions, kv_cache, meta, logits_indices)
 
     name = f"static_forward_b{key.batch}_q{key.q_len}_nb{key.blocks}"
-    code = forward.__code__.replace(co_name=name, co_qualname=name)
+    code = forward.__code__.replace(co_name=name)  # a new code object (co_qualname is Python >= 3.11 only)
     return types.FunctionType(code, forward.__globals__, name, forward.__defaults__, forward.__closure__)
