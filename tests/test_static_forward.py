@@ -259,6 +259,23 @@ def test_padded_bucket_matches_eager_and_padding_touches_only_the_scratch_block(
     torch.testing.assert_close(picked, expected[rows], atol=1e-4, rtol=1e-4)
 
 
+def test_padded_bucket_through_the_triton_kernel_matches_eager_in_the_interpreter(tiny):
+    """The CUDA path's attention (the uniform Triton launch, padding rows included) inside the whole forward, run
+    by the interpreter: the same logits as the eager ragged forward through the ragged launch."""
+    model, config = tiny
+    pool = new_pool(config)
+    runner_pool = tuple(t.clone() for t in pool)
+    runner = make_runner(model, runner_pool)
+    batch = uniform_batch([K + 3, 14, 9], K + 1, config.vocab_size, seed=4, width=5)
+    batch["block_tables"][batch["block_tables"] >= NUM_BLOCKS] = 0  # the interpreter checks every table entry
+    with ops.force_triton():
+        expected = eager_logits(model, pool, batch)
+        got = runner.run(batch["input_ids"], batch["positions"], batch["slot_mapping"], batch["block_tables"],
+                         batch["seq_lens"], K + 1)  # fmt: skip
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 def test_a_smaller_batch_resets_the_rows_of_a_previous_larger_one(tiny):
     """Row 3 of bucket 4 held a real sequence in the first step; in the second (3 sequences, bucket 4 again) it
     must be padding again, or it would rewrite that sequence's slot (which may since belong to someone else)."""

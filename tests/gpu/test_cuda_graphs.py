@@ -24,7 +24,8 @@ from specdec.model.llama import AttentionMetadata
 from specdec.model.loader import load_model
 
 pytestmark = pytest.mark.gpu
-DEVICE = "cuda"
+DEVICE = "cuda"  # a self-check may point DEVICE at "cpu" and MODE at "eager" and call the test functions directly
+MODE = "cuda_graph"
 
 
 @pytest.fixture(autouse=True)
@@ -72,9 +73,9 @@ def test_graph_replay_equals_eager(tiny_path, dtype, q_len):
     initial = tuple(t.clone() for t in pool)
     graph_pool = tuple(t.clone() for t in pool)
     runner = StaticForwardRunner(model, graph_pool, block_size=BLOCK_SIZE, max_blocks=8, scratch_block=0,
-                                 q_lens=(1, K + 1), batch_sizes=(1, 2, 4, 8), mode="cuda_graph")
+                                 q_lens=(1, K + 1), batch_sizes=(1, 2, 4, 8), mode=MODE)
     runner.prepare()
-    assert all(runner._batches[key].graph is not None for key in runner.keys())
+    assert all((runner._batches[key].graph is not None) == (MODE == "cuda_graph") for key in runner.keys())
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     for seed, lens in enumerate(([q_len + 2, 14, 9], [30, q_len, 21, 7, 12], [q_len + 1])):
         batch = _on_device(uniform_batch(lens, q_len, config.vocab_size, seed=seed, width=8))
@@ -97,7 +98,7 @@ def test_graph_replay_equals_eager(tiny_path, dtype, q_len):
 def test_a_batch_larger_than_the_largest_bucket_falls_back(tiny_path):
     model, config, pool = _setup(tiny_path, torch.float32)
     runner = StaticForwardRunner(model, pool, block_size=BLOCK_SIZE, max_blocks=8, scratch_block=0, q_lens=(1,),
-                                 batch_sizes=(1, 2), mode="cuda_graph")  # fmt: skip
+                                 batch_sizes=(1, 2), mode=MODE)  # fmt: skip
     batch = _on_device(uniform_batch([5, 6, 7], 1, config.vocab_size, seed=0))
     assert _run(runner, batch, 1) is None
     assert runner.num_fallbacks == 1 and not runner._batches  # nothing captured for it
