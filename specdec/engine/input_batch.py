@@ -25,16 +25,16 @@ _TORCH_DTYPE = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32
 
 
 class StagingBuffer:
-    """One growable byte buffer on the host (pinned when ``device`` is CUDA) and, for CUDA, its device mirror.
+    """One growable byte buffer on the host (pinned when ``device`` is CUDA) and, off the CPU, its device mirror.
 
-    ``separate_device_buffer`` (default: ``device`` is CUDA) stages through a second buffer on ``device`` with one
-    copy per forward; without it the device views are the host buffer itself (CPU: no copy)."""
+    ``separate_device_buffer`` (default: ``device`` is not the CPU) stages through a second buffer on ``device``
+    with one copy per forward; without it the device views are the host buffer itself (CPU: no copy)."""
 
     def __init__(self, device: torch.device | str, initial_bytes: int = INITIAL_BYTES,
                  separate_device_buffer: bool | None = None):
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
-        self.separate = self.on_cuda if separate_device_buffer is None else separate_device_buffer
+        self.separate = self.device.type != "cpu" if separate_device_buffer is None else separate_device_buffer
         self.capacity = 0  # bytes
         self.num_grows = 0  # how many times the buffers were reallocated (tests watch the geometric growth)
         self.num_copies = 0  # host-to-device copies made (one per to_device with a separate device buffer)
