@@ -14,7 +14,7 @@ drafts and the NaN/inf flags of the draft and the target logits together. Greedy
 block verification, adaptive k (its timings cost no read), a step that also admits a request (its first token
 rides in the verification read), batch 1 and 8. The documented exceptions (docs/architecture.md, "Host reads")
 are pinned too: penalties read the drafts at every draft step (k + 1), a tree round reads twice per depth
-(2k + 1), logprobs add one read.
+(2k + 1), logprobs add one read. A combined-drafter round merges lookup and draft-model drafts on the device: 1.
 """
 
 import collections
@@ -124,6 +124,37 @@ def test_host_reads_per_step_are_one_whatever_the_batch(tiny_pair, monkeypatch, 
     assert reads[1] == reads[8], f"host reads grow with the batch: {reads}"
     assert reads[8]["engine"] == budget, f"engine host reads {reads[8]}, budget {budget}"
     assert reads[8]["other"] == 0, reads[8]
+
+
+def test_a_combined_round_mixing_lookup_and_model_drafts_reads_once(tiny_pair, monkeypatch):
+    """The combined drafter merges the lookup's host drafts with the draft model's device drafts on the device:
+    still one read. Odd requests repeat their prompt, so in the counted step of the batch of 8 some requests take
+    prompt-lookup drafts and the others the draft model's (asserted: the step mixes both)."""
+    target, _ = tiny_pair
+    reads, hits = {}, []
+    for batch in (1, 8):
+        llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=batch,
+                          speculative=specdec.SpeculativeConfig(method="combined", draft_model=target,
+                                                                num_speculative_tokens=K))
+        engine = llm.engine
+        for i in range(batch):
+            prompt = [5 + i, 6, 7, 8, 9, 5 + i, 6, 7, 8, 9] if i % 2 else [5 + i, 6, 7, 8]
+            engine.add_request(prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_tokens=60,
+                                                                              ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        lookup = engine.speculative.drafter.lookup
+        propose = lookup.propose
+
+        def spy(seqs, ks, propose=propose):
+            proposal = propose(seqs, ks)
+            hits.append([bool(d) for d in proposal.token_ids])
+            return proposal
+
+        monkeypatch.setattr(lookup, "propose", spy)
+        reads[batch] = host_reads_of_one_step(engine, monkeypatch)
+    assert any(hits[-1]) and not all(hits[-1]), f"the counted step did not mix lookup and model drafts: {hits}"
+    assert reads[1]["engine"] == reads[8]["engine"] == ENGINE_BUDGET["speculative"], reads
 
 
 @pytest.mark.parametrize("feature", ["penalties", "tree", "logprobs"])

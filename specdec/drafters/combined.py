@@ -22,32 +22,51 @@ class CombinedDrafter:
         if not misses:
             return free
         model = self.draft_model.propose([seqs[i] for i in misses], [num_tokens[i] for i in misses])
-        # merged with host drafts: the model's drafts are read here (a second host read in such a round)
-        model_drafts = model.read_token_ids([seqs[i].request_id for i in misses])
-        drafts = list(free.token_ids)
+        model_counts = model.counts()
+        counts = list(free.counts())
         is_onehot = list(free.is_onehot)
-        forwards = [0] * len(drafts)
+        forwards = [0] * len(counts)
         from_model: dict[int, int] = {}
         for j, i in enumerate(misses):
-            drafts[i] = model_drafts[j]
+            counts[i] = model_counts[j]
             is_onehot[i] = model.is_onehot[j]
             forwards[i] = model.draft_forwards[j] if model.draft_forwards else 0
             from_model[i] = j
+        model_offsets = [0]
+        for n in model_counts:
+            model_offsets.append(model_offsets[-1] + n)
+        host = None  # the drafts on the host, if the model's are (penalties, a model-free stand-in)
+        if model.token_ids is not None:
+            host = [model.token_ids[from_model[i]] if i in from_model else d for i, d in enumerate(free.token_ids)]
+        device_ids, bad_rows = None, None
+        if model.device_ids is not None:  # the drafts stay on the device: the model's rows, then the lookup's
+            rows, lookup_flat = [], []
+            for i, n in enumerate(counts):
+                j = from_model.get(i)
+                if j is not None:
+                    rows += range(model_offsets[j], model_offsets[j + 1])
+                else:
+                    start = model_offsets[-1] + len(lookup_flat)
+                    rows += range(start, start + n)
+                    lookup_flat += free.token_ids[i]
+            device = model.device_ids.device
+            index = torch.tensor(rows, dtype=torch.int64, device=device)
+            lookup_ids = torch.tensor(lookup_flat, dtype=torch.int64, device=device)
+            device_ids = torch.cat([model.device_ids, lookup_ids])[index]
+            if model.bad_rows is not None:
+                bad_rows = torch.cat([model.bad_rows, torch.zeros_like(lookup_ids, dtype=torch.bool)])[index]
         probs = None
         if model.probs is not None:
             # rows of q in request order: zeros for one-hot requests (never read), the model's q otherwise
-            probs = torch.zeros(sum(len(d) for d in drafts), model.probs.shape[1], dtype=model.probs.dtype,
-                                device=model.probs.device)
-            model_offsets = [0]
-            for d in model_drafts:
-                model_offsets.append(model_offsets[-1] + len(d))
+            probs = torch.zeros(sum(counts), model.probs.shape[1], dtype=model.probs.dtype, device=model.probs.device)
             row = 0
-            for i, d in enumerate(drafts):
+            for i, n in enumerate(counts):
                 j = from_model.get(i)
                 if j is not None and not is_onehot[i]:
-                    probs[row : row + len(d)] = model.probs[model_offsets[j] : model_offsets[j + 1]]
-                row += len(d)
-        return DraftProposal(drafts, probs, is_onehot, forwards)
+                    probs[row : row + n] = model.probs[model_offsets[j] : model_offsets[j + 1]]
+                row += n
+        return DraftProposal(host, probs, is_onehot, forwards, device_ids=device_ids, bad_rows=bad_rows,
+                             num_drafts=counts)
 
     def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
         """The lookup's tree where it has one; the draft model's tree (its chain of ``min(depth, nodes)``
