@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.philox import STREAM_SAMPLE, row_exponentials
+from specdec.kernels.philox import STREAM_SAMPLE, sample_argmax
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.standardize import apply_penalty_rows, standardize, standardize_unchecked
@@ -16,9 +16,9 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
-    """Exact categorical sampling ``argmax(p / E)``, E ~ Exp(1) from Philox(seed, position, stream): int64 ``[R]``."""
-    noise = row_exponentials(seeds, positions, stream, probs.shape[-1]).to(probs.device)  # (R, V)
-    return (probs / noise).argmax(dim=-1)
+    """Exact categorical sampling ``argmax(p / E)``, E ~ Exp(1) from Philox(seed, position, stream): int64 ``[R]``
+    on ``probs``' device (the noise drawn there; on CPU a chunk at a time, never an ``[R, V]`` tensor)."""
+    return sample_argmax(probs, seeds, positions, stream)
 
 
 def sample_next_tokens(
