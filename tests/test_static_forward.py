@@ -338,3 +338,23 @@ def test_compile_mode_buckets_are_separate_compilations_not_recompiles(tiny):
                              batch["seq_lens"], 1)  # fmt: skip
             assert got.shape == (len(lens), config.vocab_size)
     assert sorted(k.batch for k in runner._batches) == [1, 2, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("q_len", [1, K + 1])
+def test_inductor_compiled_runner_matches_eager_and_writes_kv_in_place(tiny, q_len):
+    """Inductor itself (not only tracing): logits and the K/V written match eager. Slow: ~15-30 s of compiling."""
+    model, config = tiny
+    pool = new_pool(config)
+    runner_pool = tuple(t.clone() for t in pool)
+    runner = make_runner(model, runner_pool, mode="compile", compile_options={"options": {"freezing": True}})
+    for seed, lens in enumerate(([q_len + 3, 14, 9], [20, q_len, 5])):
+        batch = uniform_batch(lens, q_len, config.vocab_size, seed=seed, width=5)
+        expected = eager_logits(model, pool, batch)
+        got = runner.run(batch["input_ids"], batch["positions"], batch["slot_mapping"], batch["block_tables"],
+                         batch["seq_lens"], q_len)  # fmt: skip
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        written = sorted(set((batch["slot_mapping"] // BLOCK_SIZE).tolist()))
+        for after, eager_written in zip(runner_pool, pool):
+            torch.testing.assert_close(after[:, written], eager_written[:, written], atol=1e-5, rtol=1e-5)
