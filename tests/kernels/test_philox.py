@@ -3,6 +3,7 @@ code (eager on the tensors' device; compiled by Inductor for CPU rows, chunk by 
 Triton twin inside the kernels, and an independent numpy oracle here; ``sample_argmax`` (the fused CPU sampling)
 bit-for-bit ``(probs / row_exponentials).argmax``."""
 
+import threading
 import warnings
 
 import numpy as np
@@ -185,8 +186,31 @@ def test_one_compiled_graph_for_every_shape():
     for rows, n, stream in [(1, 1, 0), (1, 5, 3), (2, 4099, 1), (9, 4, 2), (9, 64, 1 << 16 | 4)]:
         row_uniforms(seeds[:rows], positions[:rows], stream, n)
         sample_argmax(_probs(rows, n), seeds[:rows], positions[:rows], stream)
+        alone = seeds[:rows].clone(), positions[:rows].clone()  # no view of a larger batch
+        row_uniforms(*alone, stream, n)
+        sample_argmax(_probs(rows, n), *alone, stream)
     assert counters["stats"]["unique_graphs"] == graphs
     assert philox._cpu_compiled is not False
+
+
+def test_threads_draw_the_same_numbers():
+    """The serve engine samples in its own thread: concurrent callers share the compiled path (behind a lock)."""
+    seeds, positions = _seeds_and_positions(5)
+    probs = _probs(5, 1001)
+    expected = (row_uniforms(seeds, positions, 1, 1001), sample_argmax(probs, seeds, positions, 1))
+    results = []
+
+    def draw():
+        for _ in range(3):
+            results.append((row_uniforms(seeds, positions, 1, 1001), sample_argmax(probs, seeds, positions, 1)))
+
+    threads = [threading.Thread(target=draw) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 9
+    assert all(torch.equal(u, expected[0]) and torch.equal(t, expected[1]) for u, t in results)
 
 
 def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
