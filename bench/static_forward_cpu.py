@@ -5,7 +5,8 @@ k+1 window) per mode: the engine's ragged eager forward, the static forward eage
     python -m bench.static_forward_cpu [--model PATH] [--batch 1 8] [--q-len 1] [--context 256] [--iters 20]
 
 ``--model`` defaults to the embedded SmolLM2-135M; ``--model tiny`` builds a tiny random llama (tests/). Prints one
-line per (batch, mode): median ms per forward over ``--iters`` timed calls after 3 warm-up calls.
+line per (batch, mode): median ms per forward over ``--iters`` rounds after 3 warm-up rounds, the modes timed
+round-robin (one call of each per round) so that load from other processes hits them alike.
 """
 
 from __future__ import annotations
@@ -42,15 +43,17 @@ def _model_path(name: str | None) -> str:
     return name
 
 
-def _median_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def _interleaved_median_ms(steps: dict, iters: int) -> dict:
+    """Median ms per call of each step, timed round-robin (one call of each per round) so that a busy neighbour
+    slows every mode alike; 3 warm-up rounds first."""
+    times = {name: [] for name in steps}
+    for round_ in range(3 + iters):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if round_ >= 3:
+                times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
 def _bench_batch(model, config, args, batch: int) -> None:
@@ -67,21 +70,22 @@ def _bench_batch(model, config, args, batch: int) -> None:
     ids = torch.randint(0, config.vocab_size, (batch * q,))
     cu = torch.arange(0, (batch + 1) * q, q, dtype=torch.int32)
     rows = torch.arange(batch * q)
-    ragged = functools.partial(model, ids, positions, pool.tensors, AttentionMetadata(slots, tables, seq_lens, cu),
-                               rows)  # fmt: skip
     options = {} if args.no_freezing else {"options": {"freezing": True}}
+    steps, first_call = {}, {}
     for mode in args.modes:
         if mode == "ragged":
-            ms, extra = _median_ms(ragged, args.iters), ""
-        else:
-            runner = StaticForwardRunner(model, pool.tensors, block_size=bs, max_blocks=blocks_per_seq,
-                                         scratch_block=0, q_lens=(q,), batch_sizes=(batch,), mode=mode,
-                                         compile_options=options)  # fmt: skip
-            step = functools.partial(runner.run, ids, positions, slots, tables, seq_lens, q)
-            start = time.perf_counter()
-            step()  # compiles on the first call
-            extra = f" (first call {time.perf_counter() - start:.1f} s)"
-            ms = _median_ms(step, args.iters)
+            meta = AttentionMetadata(slots, tables, seq_lens, cu)
+            steps[mode] = functools.partial(model, ids, positions, pool.tensors, meta, rows)
+            continue
+        runner = StaticForwardRunner(model, pool.tensors, block_size=bs, max_blocks=blocks_per_seq,
+                                     scratch_block=0, q_lens=(q,), batch_sizes=(batch,), mode=mode,
+                                     compile_options=options)  # fmt: skip
+        steps[mode] = functools.partial(runner.run, ids, positions, slots, tables, seq_lens, q)
+        start = time.perf_counter()
+        steps[mode]()  # compiles on the first call
+        first_call[mode] = time.perf_counter() - start
+    for mode, ms in _interleaved_median_ms(steps, args.iters).items():
+        extra = f" (first call {first_call[mode]:.1f} s)" if mode in first_call else ""
         print(f"batch {batch:3d}  {mode:8s} {ms:8.2f} ms{extra}", flush=True)
 
 
