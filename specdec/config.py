@@ -32,9 +32,9 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...]
     prepack_weights: bool | None = None
     enable_prefix_caching: bool = True  # share cached full KV blocks of common prefixes (docs/architecture.md)
-    # False: on CUDA uniform batches (decodes, draft steps, k+1 windows) are meant to replay CUDA graphs
-    # (specdec/engine/cuda_graphs.py, static_forward_mode); True: every forward eager. No effect on CPU. Not yet
-    # read by the model runner (docs/architecture.md, "CUDA graphs and the static forward").
+    # False: on CUDA uniform batches (decodes, draft steps, k+1 windows) replay CUDA graphs (LLMEngine.
+    # enable_static_forward, specdec/engine/cuda_graphs.py); True: every forward eager. No effect on CPU
+    # (docs/architecture.md, "CUDA graphs and the static forward").
     enforce_eager: bool = False
 
     @classmethod
@@ -81,6 +81,8 @@ class EngineConfig:
                              f"max_position_embeddings), got {max_model_len!r}")
         # The pool must hold one full-length sequence (+ lookahead) so that a valid request never fails.
         min_blocks = -(-(max_model_len + lookahead_slots + 1) // block_size)
+        if dev.type == "cuda" and not enforce_eager:
+            min_blocks += 1  # the padding rows' scratch block of the CUDA graphs (engine/cuda_graphs.py)
         if num_kv_blocks is None:
             per_block = KVPool.bytes_per_block(model_config, block_size, torch_dtype)
             num_kv_blocks = max(min_blocks, int(kv_cache_memory_gb * 2**30) // per_block)

@@ -31,9 +31,9 @@ class LLM:
         enable_prefix_caching: share the cached KV blocks of a common prompt prefix between requests, so that a
             request computes only what follows the cached prefix (docs/architecture.md, "Prefix caching").
         enforce_eager: run every forward eagerly. False (default): on CUDA, uniform batches - decodes, draft steps,
-            k+1 verification windows - are to replay CUDA graphs captured per batch-size bucket; no effect on CPU,
-            which runs eager. Validated and stored; the model runner does not use graphs yet (docs/architecture.md,
-            "CUDA graphs and the static forward").
+            verification windows of one length - replay CUDA graphs captured lazily per batch-size bucket (a
+            failed capture falls back to eager with a warning); no effect on CPU, which runs eager
+            (docs/architecture.md, "CUDA graphs and the static forward"; not yet run on a GPU).
     """
 
     def __init__(

@@ -10,6 +10,7 @@ import time
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.engine.cuda_graphs import static_forward_mode
 from specdec.engine.detokenizer import append_text, finalize_text
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
@@ -45,6 +46,9 @@ class LLMEngine:
                                        lookahead=self.speculative.lookahead)
             self.scheduler.on_free.append(self.speculative.free)
             self.speculative.target_pool = self.pool  # tree rounds compact the accepted path's K/V in it
+        mode = static_forward_mode(config.device, config.enforce_eager)
+        if mode is not None:
+            self.enable_static_forward(mode)
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
@@ -52,6 +56,20 @@ class LLMEngine:
         self._sample_of: dict[str, str] = {}  # a sample's internal id ("<request id>#<i>") -> its request id
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step()
         self._num_failed = 0
+
+    def enable_static_forward(self, mode: str) -> None:
+        """Uniform batches through static forwards (specdec/engine/cuda_graphs.py): the target's decodes and chain
+        windows of every length up to k + 1, the draft model's one-token steps. Called at start-up with
+        ``"cuda_graph"`` on CUDA unless ``enforce_eager``; ``"eager"`` / ``"compile"`` exercise the same path on
+        CPU (tests). Takes one block of each pool for padding rows (``EngineConfig.create`` sizes the pools
+        with one to spare when graphs are on)."""
+        spec = self.speculative
+        k = spec.k if spec is not None else 0
+        max_seq_len = self.config.max_model_len + (spec.spec.tree_nodes(k) if spec is not None else 0) + 1
+        max_batch = self.config.max_num_seqs
+        self.runner.enable_static_forward(mode, tuple(range(1, k + 2)), max_seq_len, max_batch)
+        if spec is not None and spec._model_drafter is not None:
+            spec._model_drafter.runner.enable_static_forward(mode, (1,), max_seq_len, max_batch)
 
     # --- requests ------------------------------------------------------------------------------------------
     def validate_request(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -9,8 +10,11 @@ import torch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.engine.cuda_graphs import DEFAULT_BATCH_BUCKETS, StaticForwardRunner, reserve_scratch_block, uniform_q_len
 from specdec.engine.input_batch import StagingBuffer
 from specdec.model.llama import AttentionMetadata, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +48,21 @@ class ModelRunner:
         self.device = device
         self.staging = StagingBuffer(device)
         self.num_forwards = 0
+        self.static: StaticForwardRunner | None = None  # uniform batches' static forwards (enable_static_forward)
+
+    def enable_static_forward(self, mode: str, q_lens: tuple[int, ...], max_seq_len: int, max_batch: int) -> None:
+        """Serve uniform batches (every item ``q_len in q_lens`` new causal tokens: decodes, draft steps, chain
+        windows) through a :class:`StaticForwardRunner` in ``mode`` ("cuda_graph", "compile" or "eager"), captured
+        lazily per bucket; everything else stays eager. Takes one block of the pool for padding rows (the engine
+        sizes the pool with one to spare). ``max_seq_len``: the longest sequence a forward sees, lookahead
+        included; ``max_batch``: the most sequences in one forward (batch buckets: powers of two below it, and it).
+        """
+        bm = self.block_manager
+        scratch = reserve_scratch_block(bm)
+        buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.static = StaticForwardRunner(self.model, self.pool.tensors, block_size=bm.block_size,
+                                          max_blocks=bm.blocks_needed(max_seq_len), scratch_block=scratch,
+                                          q_lens=q_lens, batch_sizes=buckets, mode=mode)
 
     def forward(self, items: list[ForwardItem], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one forward over ``items``; fp32 logits ``[sum(num_logits), V]`` in item order.
@@ -57,7 +76,27 @@ class ModelRunner:
             assert input_ids.shape == positions.shape, "input_ids must hold one id per new token"
             ids = input_ids
         self.num_forwards += 1
+        q_len = uniform_q_len(items) if self.static is not None else None
+        if q_len is not None:
+            out = self._static_forward(ids, positions, meta, q_len, logits_indices)
+            if out is not None:
+                return out
         return self.model(ids, positions, self.pool.tensors, meta, logits_indices)
+
+    def _static_forward(self, ids, positions, meta: AttentionMetadata, q_len: int, logits_indices
+                        ) -> torch.Tensor | None:
+        """The uniform batch through its static bucket, or None (no bucket serves it: run it eagerly). A failure
+        of the static path (a capture that cannot be made on this device, say) turns it off for good, with a
+        warning, and the forward runs eagerly: its K/V writes go to the same slots, so a repeated one is harmless.
+        """
+        try:
+            return self.static.run(ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens, q_len,
+                                   logits_indices)
+        except Exception as exc:  # noqa: BLE001 - any failure of the optional fast path falls back to eager
+            logger.warning("static forward (%s) failed, running every forward eagerly from now on: %r",
+                           self.static.mode, exc)
+            self.static = None
+            return None
 
     def prepare(self, items: list[ForwardItem], with_ids: bool = True
                 ) -> tuple[AttentionMetadata, torch.Tensor | None, torch.Tensor, torch.Tensor]:
