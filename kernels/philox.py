@@ -23,6 +23,7 @@ wrong words). Noise over a vocabulary is drawn on the tensors' device, never on 
   process, tens of seconds cold, ~1-3 s from Inductor's on-disk cache); without a working compiler it warns once
   and runs the same code eagerly (same bits, slower). Only the integer part is compiled: ``-log(u)`` and the
   division stay eager torch, so a sampled token is bit-for-bit the argmax an unfused reference computes.
+  (No numpy on this path any more; the numpy twin lives on in the tests as an oracle.)
 
 :func:`sample_argmax` is ``argmax(p / E)`` per row without materialising ``[R, V]`` noise on the CPU.
 """
@@ -131,8 +132,9 @@ def _block_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream, first_
 # The compiled CPU path: one graph for every shape (rows and blocks dynamic; rows unbacked, so 1 row compiles no
 # second graph; at least 2 blocks per call for the same reason), a lock (the serve engine samples in its own
 # thread) and an eager fallback when compiling fails. ~16K blocks per call keeps its int64 temporaries
-# (4 x 8 bytes per block) and its output in L2: 1.7-2.3x faster than one call over [64, 32000] / [64, 128256]
-# (bench.philox_cpu --chunks 4096 16384 65536 0; 16K and 64K alike, 4K paying the per-call overhead).
+# (4 x 8 bytes per block) and its output in L2: 1.9-2.7x faster than one call over [64, 128256] / [64, 32000]
+# (bench.philox_cpu --chunks 4096 16384 65536 0, two runs under load: 16K and 64K within the noise of each other,
+# 4K paying ~70-120 us of dynamo guards per call).
 _CPU_CHUNK_BLOCKS = 1 << 14
 _cpu_lock = threading.Lock()
 _cpu_compiled = None  # the torch.compile'd _block_uniforms; False once compiling failed (eager from then on)
