@@ -6,7 +6,7 @@ import torch
 
 from specdec.engine.model_runner import ForwardItem
 from specdec.engine.sequence import Sequence
-from specdec.sampling.sampler import read_checked, sample_next_tokens
+from specdec.sampling.sampler import sample_next_tokens
 
 
 def plain_item(seq: Sequence, num_new: int) -> ForwardItem:
@@ -21,13 +21,26 @@ def sample_plain(logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, list[i
     come to the host in one read, and ``FloatingPointError`` names the requests whose rows are bad."""
     if not seqs:
         return {}
+    return plain_tokens_from_host(sample_plain_on_device(logits, seqs).tolist(), seqs)  # the step's one host read
+
+
+def sample_plain_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """int64 ``[2 * len(seqs)]`` on the device: the token sampled from each row of ``logits`` ``[len(seqs), V]``,
+    then each row's NaN/inf flag - for the caller's one host read (a speculative step's verification read carries
+    it when plain rows ride in the same forward)."""
     bad_rows: list[torch.Tensor] = []
     tokens = sample_next_tokens(
         logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
         [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], bad_rows=bad_rows,
     )
-    tokens, bad = read_checked(tokens, bad_rows[0])  # the step's one host read
-    if bad:
-        names = [seqs[r].request_id for r in bad]
+    return torch.cat([tokens, bad_rows[0].long()])
+
+
+def plain_tokens_from_host(host: list[int], seqs: list[Sequence]) -> dict[int, list[int]]:
+    """seq id -> [its token] from the host copy of :func:`sample_plain_on_device`; ``FloatingPointError`` names the
+    requests whose rows were NaN/inf."""
+    n = len(seqs)
+    names = [s.request_id for s, flag in zip(seqs, host[n:]) if flag]
+    if names:
         raise FloatingPointError(f"non-finite logits (NaN or inf) for requests {names}; refusing to sample from them")
-    return {s.seq_id: [t] for s, t in zip(seqs, tokens)}
+    return {s.seq_id: [t] for s, t in zip(seqs, host[:n])}

@@ -12,11 +12,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import torch
-
-from specdec.engine import plain_step
 from specdec.engine.model_runner import ForwardItem, ModelRunner
-from specdec.engine.plain_step import plain_item, sample_plain
+from specdec.engine.plain_step import plain_item, plain_tokens_from_host, sample_plain, sample_plain_on_device
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculative import target_input_ids
@@ -83,9 +80,9 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
             plain_seqs.append(seq)
         row += item.num_logits
     if drafts and drafts.seqs and plain_seqs:  # a mixed step: the plain tokens ride in verification's one read
-        drafts.read_with = _plain_tokens_on_device(logits[plain_rows], plain_seqs)
+        drafts.read_with = sample_plain_on_device(logits[plain_rows], plain_seqs)
         verified = spec.verify(logits[spec_rows], drafts)
-        sampled = _plain_tokens(drafts.read_back, plain_seqs)
+        sampled = plain_tokens_from_host(drafts.read_back, plain_seqs)
     else:
         sampled = sample_plain(logits[plain_rows], plain_seqs)
         verified = spec.verify(logits[spec_rows], drafts) if drafts and drafts.seqs else {}
@@ -120,27 +117,6 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_
     if spec is not None:
         spec.flush_timings()  # after the step's host read: the timed forwards have completed
     return updates
-
-
-def _plain_tokens_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """int64 ``[2 * len(seqs)]`` on the device: the token sampled from each row of ``logits`` ``[len(seqs), V]``
-    (as ``sample_plain`` draws it), then each row's NaN/inf flag - for verification's host read to bring back."""
-    bad_rows: list[torch.Tensor] = []
-    tokens = plain_step.sample_next_tokens(
-        logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-        [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], bad_rows=bad_rows,
-    )
-    return torch.cat([tokens, bad_rows[0].long()])
-
-
-def _plain_tokens(host: list[int], seqs: list[Sequence]) -> dict[int, list[int]]:
-    """seq id -> [its token] from the host copy of ``_plain_tokens_on_device``; ``FloatingPointError`` names the
-    requests whose rows were NaN/inf (as ``sample_plain`` does)."""
-    n = len(seqs)
-    names = [s.request_id for s, flag in zip(seqs, host[n:]) if flag]
-    if names:
-        raise FloatingPointError(f"non-finite logits (NaN or inf) for requests {names}; refusing to sample from them")
-    return {s.seq_id: [t] for s, t in zip(seqs, host[:n])}
 
 
 def undo_step(seqs: list[Sequence], spec=None) -> None:
