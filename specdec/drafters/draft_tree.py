@@ -34,8 +34,8 @@ from specdec.drafters.tree import DraftTree
 from specdec.engine.model_runner import ForwardItem
 from specdec.engine.sequence import Sequence
 from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
-from specdec.sampling.penalties import penalty_context
-from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize_unchecked
+from specdec.sampling.penalties import penalty_rows
+from specdec.sampling.standardize import SamplingTensors, apply_penalty_rows, standardize_unchecked
 
 
 @dataclass
@@ -191,8 +191,8 @@ def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], sh
     if st.any_penalty:
         prompts = [drafter._known(g.seq.prompt_token_ids) for g, _ in rows]
         outputs = [drafter._known(g.seq.output_token_ids + g.path_tokens(n)) for g, n in rows]
-        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], logits.device)
-        logits = apply_penalties(logits, seen, counts, st)
+        logits = apply_penalty_rows(logits, penalty_rows(prompts, outputs, logits.shape[-1], logits.device,
+                                                         [p.has_penalties for p in params]), st)
     probs, bad = standardize_unchecked(logits, st)  # greedy rows: q at temperature 1 (its order is the argmax's)
     # the dynamic policy ranks candidates by q's largest probabilities; a static shape needs none
     width = min(8, probs.shape[-1]) if shape.branching is None else 0

@@ -20,9 +20,9 @@ from specdec import ops
 from specdec.drafters.base import DraftProposal, check_draft_rows, split_drafts
 from specdec.drafters.tree import DraftTree
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.penalties import penalty_context
+from specdec.sampling.penalties import penalty_rows
 from specdec.sampling.sampler import greedy, nonfinite_rows
-from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize_unchecked
+from specdec.sampling.standardize import SamplingTensors, apply_penalty_rows, standardize_unchecked
 
 
 class VerifyRequest(Protocol):
@@ -140,8 +140,9 @@ def _penalised_target(
     if st.any_penalty:
         outputs = [s.output_token_ids + prefix for s, prefix in zip(row_seqs, row_prefixes(), strict=True)]
         prompts = [s.prompt_token_ids for s in row_seqs]
-        seen, counts = penalty_context(prompts, outputs, logits.shape[-1], logits.device)
-        logits = apply_penalties(logits, seen, counts, st)
+        active = [s.params.has_penalties for s in row_seqs]
+        rows = penalty_rows(prompts, outputs, logits.shape[-1], logits.device, active)
+        logits = apply_penalty_rows(logits, rows, st)
     return st, logits, greedy(logits)
 
 
