@@ -39,6 +39,7 @@ from bench.common import (
     resolve_model,
     set_threads,
     slug,
+    warm_up_sampling,
     write_json,
 )
 from specdec import ops
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--temperature must be > 0: greedy rows are verified token-wise by both rules")
 
     set_threads(args.threads)
+    warm_up_sampling()
     meta = machine_info()
     target_path, draft_path = resolve_model(args.target), resolve_model(args.draft)
     prompts = load_prompts(args.prompts.split(","), args.prompts_per_class)

@@ -150,6 +150,15 @@ def set_threads(threads: int) -> None:
         pass
 
 
+def warm_up_sampling() -> None:
+    """Finish compiling the CPU Philox noise (kernels/philox.py) before anything is timed: the engine compiles it in
+    a background thread on the first sampled step and draws the same numbers eagerly meanwhile, which would time
+    the eager path (and a compiler competing for the cores) instead of the one a long-running process uses."""
+    from specdec.kernels import philox
+
+    philox.warm_up_cpu_noise(wait=True)
+
+
 # --- timing ------------------------------------------------------------------------------------------------
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")

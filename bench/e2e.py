@@ -57,6 +57,7 @@ from bench.common import (
     set_threads,
     slug,
     timed,
+    warm_up_sampling,
     write_json,
 )
 from specdec.config import SPECULATIVE_METHODS, VERIFY_METHODS, parse_tree
@@ -339,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     set_threads(args.threads)
+    if args.temperature > 0:
+        warm_up_sampling()
     meta = machine_info()
     target_path = resolve_model(args.target)
     draft_path = resolve_model(args.draft) if args.draft else None

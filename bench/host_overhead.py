@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import add_record_flag, machine_info, median, print_table, set_threads, write_json
+from bench.common import add_record_flag, machine_info, median, print_table, set_threads, warm_up_sampling, write_json
 
 MODES = {  # name -> (speculative?, temperature)
     "plain greedy": (False, 0.0),
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     add_record_flag(parser)
     args = parser.parse_args(argv)
     set_threads(args.threads)
+    warm_up_sampling()
     model_len = max_model_len(args.prompt_len, args.steps)
     rows, results = [], []
     for vocab in args.vocab:

@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from bench.common import median, print_table, set_threads
+from bench.common import median, print_table, set_threads, warm_up_sampling
 from specdec.kernels import philox
 
 
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
     set_threads(args.threads)
+    warm_up_sampling()
     microbenchmark(args.rows, args.vocab, args.reps, args.chunks)
     return 0
 

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from bench.common import add_record_flag, machine_info, print_table, set_threads, write_json
+from bench.common import add_record_flag, machine_info, print_table, set_threads, warm_up_sampling, write_json
 
 PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.3}
 
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.history) < 2 or args.steps < 1:
         parser.error("--history must be >= 2 and --steps >= 1")
     set_threads(args.threads)
+    warm_up_sampling()
     rows, results = [], []
     for vocab in args.vocab:
         for batch in args.batch:

@@ -29,6 +29,7 @@ from bench.common import (
     print_table,
     resolve_model,
     set_threads,
+    warm_up_sampling,
     write_json,
 )
 from specdec.config import SPECULATIVE_METHODS, parse_tree
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     add_record_flag(parser)
     args = parser.parse_args(argv)
     set_threads(args.threads)
+    warm_up_sampling()
     target, draft = resolve_model(args.target), resolve_model(args.draft) if args.draft else None
     tokenizer = Tokenizer.from_dir(target)
     prompts = [chat_token_ids(tokenizer, p.text) for ps in load_prompts(PROMPT_CLASSES, args.prompts_per_class).values()

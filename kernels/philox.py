@@ -20,14 +20,17 @@ wrong words). Noise over a vocabulary is drawn on the tensors' device, never on 
   elementwise passes; ``python -m bench.philox_cpu``, 1 thread: 1.5-6x faster than the numpy path it replaces
   and 3-11x faster than eager torch, the larger gains on the larger rows), called per chunk of
   ``_CPU_CHUNK_BLOCKS`` Philox blocks so its buffers stay in cache. Shapes are dynamic (one compilation per
-  process, tens of seconds cold, ~1-3 s from Inductor's on-disk cache); without a working compiler it warns once
-  and runs the same code eagerly (same bits, slower). Only the integer part is compiled: ``-log(u)`` and the
+  process, tens of seconds cold, seconds from Inductor's on-disk cache), made in a background thread started by
+  the first sampled CPU step (or :func:`warm_up_cpu_noise`): until it is ready the same code runs eagerly, so no
+  request waits for the compiler and the numbers are the same either way. Without a working compiler it warns
+  once and stays eager (same bits, slower). Only the integer part is compiled: ``-log(u)`` and the
   division stay eager torch, so a sampled token is bit-for-bit the argmax an unfused reference computes.
   (No numpy on this path any more; the numpy twin lives on in the tests as an oracle.)
 
 :func:`sample_argmax` is ``argmax(p / E)`` per row without materialising ``[R, V]`` noise on the CPU.
 """
 
+import sys
 import threading
 import warnings
 
@@ -130,38 +133,89 @@ def _block_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream, first_
 
 
 # The compiled CPU path: one graph for every shape (rows and blocks dynamic; rows unbacked, so 1 row compiles no
-# second graph; at least 2 blocks per call for the same reason), a lock (the serve engine samples in its own
-# thread) and an eager fallback when compiling fails. ~16K blocks per call keeps its int64 temporaries
+# second graph; at least 2 blocks per call for the same reason), compiled in a background thread while eager torch
+# draws the same numbers, a lock (the serve engine samples in its own thread) and an eager fallback when
+# compiling fails. ~16K blocks per call keeps its int64 temporaries
 # (4 x 8 bytes per block) and its output in L2: 1.9-2.7x faster than one call over [64, 128256] / [64, 32000]
 # (bench.philox_cpu --chunks 4096 16384 65536 0, two runs under load: 16K and 64K within the noise of each other,
 # 4K paying ~70-120 us of dynamo guards per call).
 _CPU_CHUNK_BLOCKS = 1 << 14
-_cpu_lock = threading.Lock()
-_cpu_compiled = None  # the torch.compile'd _block_uniforms; False once compiling failed (eager from then on)
+_cpu_lock = threading.Lock()  # serialises calls of the compiled function
+_state_lock = threading.Lock()  # guards starting the compile thread
+_cpu_compiled = None  # None: not started or compiling; the compiled _block_uniforms when ready; False if it failed
+_cpu_compile_thread: threading.Thread | None = None
+
+
+def _compiled_args(seeds, positions, stream, first_block, num_blocks):
+    seeds, positions = seeds.clone(), positions.clone()  # not views: dynamo would specialise on a base of 1 row
+    return (seeds, positions, torch.tensor(stream, dtype=torch.int64), torch.tensor(first_block, dtype=torch.int64),
+            max(num_blocks, 2))
+
+
+def _call_compiled(fn, args):
+    from torch._dynamo.decorators import mark_unbacked  # imported once torch.compile is in use
+
+    mark_unbacked(args[0], 0)
+    mark_unbacked(args[1], 0)
+    return fn(*args)
+
+
+def _give_up_compiling(err: Exception) -> None:
+    global _cpu_compiled
+    _cpu_compiled = False
+    if not sys.is_finalizing():
+        warnings.warn(f"Philox noise: torch.compile failed ({type(err).__name__}: {err}); drawing CPU noise "
+                      "with eager torch from now on (same numbers, slower)", RuntimeWarning, stacklevel=3)
+
+
+def _compile_cpu_noise() -> None:
+    """The compile thread: compile :func:`_block_uniforms` with one call on a 1-row input (the graph is shape-
+    generic), then publish it; callers use eager torch (the same numbers) until then."""
+    global _cpu_compiled
+    try:
+        fn = torch.compile(_block_uniforms, dynamic=True)
+        one = torch.zeros(1, dtype=torch.int64)
+        with _cpu_lock:
+            _call_compiled(fn, _compiled_args(one, one, 0, 0, 2))
+        _cpu_compiled = fn
+    except Exception as err:  # no C++ compiler, an Inductor bug: same numbers, eagerly
+        _give_up_compiling(err)
+
+
+def warm_up_cpu_noise(wait: bool = False) -> bool:
+    """Start compiling the CPU noise path in a background thread (once per process; the first sampled CPU step
+    does it too), and with ``wait`` block until it is done. Returns whether the compiled path is in use.
+
+    Until the compiled function is ready, noise is drawn by the same code in eager torch: bit-identical numbers,
+    slower, and no request ever waits for the compiler (tens of seconds cold). Benchmarks that time sampled
+    steps call this with ``wait=True`` first."""
+    global _cpu_compile_thread
+    with _state_lock:
+        if _cpu_compiled is None and _cpu_compile_thread is None:
+            _cpu_compile_thread = threading.Thread(target=_compile_cpu_noise, name="specdec-philox-compile",
+                                                   daemon=True)
+            _cpu_compile_thread.start()
+        thread = _cpu_compile_thread
+    if wait and thread is not None:
+        thread.join()
+    return callable(_cpu_compiled)
 
 
 def _cpu_block_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, first_block: int,
                         num_blocks: int) -> torch.Tensor:
-    """:func:`_block_uniforms` on CPU tensors, compiled by Inductor (eager torch if that fails): fp32 ``[R, nb, 4]``
-    with ``nb = max(num_blocks, 2)``."""
-    global _cpu_compiled
-    seeds, positions = seeds.clone(), positions.clone()  # not views: dynamo would specialise on a base of 1 row
-    args = (seeds, positions, torch.tensor(stream, dtype=torch.int64), torch.tensor(first_block, dtype=torch.int64),
-            max(num_blocks, 2))
-    with _cpu_lock:
-        if _cpu_compiled is None:
-            _cpu_compiled = torch.compile(_block_uniforms, dynamic=True)
-        if _cpu_compiled is not False:
+    """:func:`_block_uniforms` on CPU tensors, compiled by Inductor once that is ready (eager torch until then, or
+    for good if compiling fails): fp32 ``[R, nb, 4]`` with ``nb = max(num_blocks, 2)``."""
+    args = _compiled_args(seeds, positions, stream, first_block, num_blocks)
+    fn = _cpu_compiled
+    if fn is None:
+        warm_up_cpu_noise()
+        fn = _cpu_compiled
+    if fn:
+        with _cpu_lock:
             try:
-                from torch._dynamo.decorators import mark_unbacked  # imported once torch.compile is in use
-
-                mark_unbacked(seeds, 0)
-                mark_unbacked(positions, 0)
-                return _cpu_compiled(*args)
-            except Exception as err:  # no C++ compiler, an Inductor bug: same numbers, eagerly
-                _cpu_compiled = False
-                warnings.warn(f"Philox noise: torch.compile failed ({type(err).__name__}: {err}); drawing CPU noise "
-                              "with eager torch from now on (same numbers, slower)", RuntimeWarning, stacklevel=3)
+                return _call_compiled(fn, args)
+            except Exception as err:
+                _give_up_compiling(err)
     return _block_uniforms(*args)
 
 

@@ -62,6 +62,8 @@ def cpu_path(request, monkeypatch):
     """Run a test on the compiled CPU path and on its eager fallback (``_cpu_compiled = False``)."""
     if request.param == "eager":
         monkeypatch.setattr(philox, "_cpu_compiled", False)
+    else:
+        assert philox.warm_up_cpu_noise(wait=True), "the compiled CPU noise path is not in use"
     return request.param
 
 
@@ -181,7 +183,8 @@ def test_one_compiled_graph_for_every_shape():
     from torch._dynamo.utils import counters
 
     seeds, positions = _seeds_and_positions(9)
-    row_uniforms(seeds, positions, 0, 64)  # compiled (or loaded) once in this process
+    assert philox.warm_up_cpu_noise(wait=True)  # compiled (or loaded) once in this process
+    row_uniforms(seeds, positions, 0, 64)
     graphs = counters["stats"]["unique_graphs"]
     for rows, n, stream in [(1, 1, 0), (1, 5, 3), (2, 4099, 1), (9, 4, 2), (9, 64, 1 << 16 | 4)]:
         row_uniforms(seeds[:rows], positions[:rows], stream, n)
@@ -191,6 +194,29 @@ def test_one_compiled_graph_for_every_shape():
         sample_argmax(_probs(rows, n), *alone, stream)
     assert counters["stats"]["unique_graphs"] == graphs
     assert philox._cpu_compiled is not False
+
+
+def test_samples_do_not_wait_for_the_compiler_and_match_it(monkeypatch):
+    """Before the background compile is ready, noise is drawn eagerly - the same numbers the compiled path gives."""
+    release = threading.Event()
+    real_compile = philox.torch.compile
+
+    def slow_compile(fn, **kwargs):
+        release.wait(timeout=60)  # the compiler "takes" until the test has drawn its eager numbers
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(philox, "_cpu_compiled", None)
+    monkeypatch.setattr(philox, "_cpu_compile_thread", None)
+    monkeypatch.setattr(philox.torch, "compile", slow_compile)
+    seeds, positions = _seeds_and_positions(4)
+    probs = _probs(4, 333)
+    eager = row_uniforms(seeds, positions, 2, 333), sample_argmax(probs, seeds, positions, 2)
+    assert philox._cpu_compiled is None and philox._cpu_compile_thread.is_alive()  # drawn while compiling
+    release.set()
+    assert philox.warm_up_cpu_noise(wait=True)
+    compiled = row_uniforms(seeds, positions, 2, 333), sample_argmax(probs, seeds, positions, 2)
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    assert torch.equal(eager[0], _row_uniforms_numpy(seeds, positions, 2, 333))
 
 
 def test_threads_draw_the_same_numbers():
@@ -220,10 +246,12 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
         return call
 
     monkeypatch.setattr(philox, "_cpu_compiled", None)
+    monkeypatch.setattr(philox, "_cpu_compile_thread", None)
     monkeypatch.setattr(philox.torch, "compile", broken_compile)
     seeds, positions = _seeds_and_positions(5)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
-        got = row_uniforms(seeds, positions, 1, 77)
+        got = row_uniforms(seeds, positions, 1, 77)  # eager while the compile thread runs (and fails)
+        assert philox.warm_up_cpu_noise(wait=True) is False
     assert philox._cpu_compiled is False
     assert torch.equal(got, _row_uniforms_numpy(seeds, positions, 1, 77))
     with warnings.catch_warnings():
