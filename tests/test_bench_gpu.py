@@ -45,6 +45,7 @@ def test_dry_run_from_the_repository(tmp_path):
         assert f"| {step} |" in summary, f"no line for step {step} in summary.md"
     assert "**Dry run**" in summary and "### Projection" in summary and "skipped: no CUDA" in summary
     assert "Real-weight acceptance measured on CPU" in summary  # bench.projection with the run's c, v(k)
+    assert "CUDA graphs vs `enforce_eager=True`" in summary  # on CPU both eager: the code path, not a speedup
     run = json.loads((out / "env.json").read_text())["run"]
     assert [s["name"] for s in run["steps"]] == [*STEPS, "summary"] and all(s["exit"] == 0 for s in run["steps"])
     e2e = json.loads((out / "e2e.json").read_text())

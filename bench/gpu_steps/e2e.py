@@ -58,9 +58,13 @@ def write_pair(work: str, name: str, target_kw: dict, draft_kw: dict, dtype: tor
     return target, draft, time.time() - start
 
 
+def engine_kwargs(dtype: str, max_model_len: int, max_batch: int) -> dict:
+    return {"dtype": dtype, "max_model_len": max_model_len, "seed": 0, "max_num_seqs": max(64, max_batch),
+            "num_kv_blocks": max_batch * (max_model_len // 16 + 1) + 2}  # fmt: skip
+
+
 def engines(target: str, draft: str, dtype: str, max_model_len: int, max_batch: int):
-    kwargs = {"dtype": dtype, "max_model_len": max_model_len, "seed": 0, "max_num_seqs": max(64, max_batch),
-              "num_kv_blocks": max_batch * (max_model_len // 16 + 1) + 2}  # fmt: skip
+    kwargs = engine_kwargs(dtype, max_model_len, max_batch)
     plain = specdec.LLM(target, **kwargs)
     with reuse_target_weights(plain):  # one copy of the target's weights for both engines
         spec = specdec.LLM(target, speculative=specdec.SpeculativeConfig(
@@ -103,6 +107,27 @@ def profile_round(spec: specdec.LLM, prompts: list[list[int]], max_tokens: int) 
     return counts, table
 
 
+def graphs_vs_eager(plain: specdec.LLM, target: str, prompts: list[list[int]], params, p: dict,
+                    max_model_len: int) -> dict:
+    """Plain decoding as the engine runs it (CUDA graphs on CUDA) against ``enforce_eager=True``, interleaved, at
+    the batch sizes up to 8: what the graphs buy, and whether they were really replayed (no silent fallback)."""
+    with reuse_target_weights(plain):
+        eager = specdec.LLM(target, enforce_eager=True, **engine_kwargs("bfloat16", max_model_len, max(p["batches"])))
+    out = {}
+    for batch in [b for b in p["batches"] if b <= 8]:
+        warm_up([eager, plain], prompts[:batch])
+        row = phase_a(Ours(eager, params), Ours(plain, params), {"ids": prompts[:batch]}, batch, p["reps"])["ids"]
+        out[str(batch)] = {"eager_tokens_per_s": row["plain_tokens_per_s"], "graphs_tokens_per_s":
+                           row["spec_tokens_per_s"], "speedup": row["speedup"],
+                           "identical_tokens": row["identical_tokens"]}  # fmt: skip
+    static = plain.engine.runner.static
+    out["static_mode"] = static.mode if static is not None else None
+    out["replays"] = static.num_replays if static is not None else 0
+    out["fallbacks"] = static.num_fallbacks if static is not None else 0
+    del eager
+    return out
+
+
 def run_pair(args, name: str, target: str, draft: str, p: dict, result: dict, save) -> None:
     vocab = p["pairs"][name][0]["vocab_size"]
     gen = torch.Generator().manual_seed(7)
@@ -127,6 +152,9 @@ def run_pair(args, name: str, target: str, draft: str, p: dict, result: dict, sa
             row.pop("runs", None)
             row["costs"] = measure_costs(target_model, draft_model, config, draft_config, batch, context, K)
             entry["batches"][str(batch)] = row
+            save()
+        if name == "random" and not out_of_time(args, 30 if args.dry_run else 60):
+            entry["graphs_vs_eager"] = graphs_vs_eager(plain, target, prompts, params, p, max_model_len)
             save()
         if name == "random" and not out_of_time(args, 20):
             counts, table = profile_round(spec, prompts[: p["profile_batch"]], p["max_tokens"])

@@ -116,6 +116,14 @@ def section_e2e(e2e: dict) -> list[str]:
                          c.get("target_1_ms"), r.get("identical_tokens")])  # fmt: skip
     lines += table(["pair", "batch", "plain tok/s", "spec tok/s", "speedup", "accept", "alpha", "tau", "c", "v(k)",
                     "target decode ms", "greedy identical (bf16)"], rows)  # fmt: skip
+    graphs = e2e.get("pairs", {}).get("random", {}).get("graphs_vs_eager")
+    if graphs:
+        lines += [f"CUDA graphs vs `enforce_eager=True`, plain decoding of the random target (mode "
+                  f"{graphs.get('static_mode')}, {graphs.get('replays')} static forwards, {graphs.get('fallbacks')} "
+                  "fallbacks):", ""]  # fmt: skip
+        lines += table(["batch", "eager tok/s", "graphs tok/s", "speedup", "identical tokens"],
+                       [[b, r["eager_tokens_per_s"], r["graphs_tokens_per_s"], r["speedup"], r["identical_tokens"]]
+                        for b, r in graphs.items() if isinstance(r, dict)])  # fmt: skip
     fp32 = e2e.get("fp32_greedy_identity")
     if fp32:
         lines += [f"fp32 greedy identity (small pair, {fp32['tokens_per_request']} tokens): {fp32['identical']}/"
