@@ -36,6 +36,7 @@ MODES = {  # name -> (speculative?, temperature)
 K = 4
 PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.3}  # --penalties
 MAX_POSITIONS = 4096  # the negligible model's max_position_embeddings
+POW2_WIDTHS = tuple(2**i for i in range(12))  # --static: block-table widths (the CPU attention gathers the width)
 
 
 def make_negligible_model(path: str, vocab: int) -> None:
@@ -58,16 +59,24 @@ def max_model_len(prompt_len: int, steps: int) -> int:
     return max(2048, need)
 
 
-def build_engines(path: str, batch: int, model_len: int = 2048) -> dict:
+def build_engines(path: str, batch: int, model_len: int = 2048, modes: list[str] | None = None,
+                  static: str | None = None) -> dict:
+    """One engine per mode (``modes``, default all); with ``static``, a twin of each whose uniform batches run
+    through the static forward in that mode ("eager" / "compile": LLMEngine.enable_static_forward, block-table
+    widths bucketed by powers of two), named "<mode> [static <static>]"."""
     import specdec
 
     engines = {}
-    for name, (speculative, _) in MODES.items():
+    for name in modes or list(MODES):
+        speculative = MODES[name][0]
         spec = specdec.SpeculativeConfig(method="draft_model", draft_model=path, num_speculative_tokens=K) \
             if speculative else None
-        llm = specdec.LLM(path, dtype="float32", max_model_len=model_len, max_num_seqs=max(batch, 1),
-                          num_kv_blocks=(batch + 1) * model_len // 16 + 8, speculative=spec)
-        engines[name] = llm.engine
+        for twin in [None] + ([static] if static else []):
+            llm = specdec.LLM(path, dtype="float32", max_model_len=model_len, max_num_seqs=max(batch, 1),
+                              num_kv_blocks=(batch + 1) * model_len // 16 + 8, speculative=spec)
+            if twin is not None:
+                llm.engine.enable_static_forward(twin, block_buckets=POW2_WIDTHS)
+            engines[name if twin is None else f"{name} [static {twin}]"] = llm.engine
     return engines
 
 
@@ -105,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--penalties", action="store_true",
                         help="repetition / presence / frequency penalties 1.1 / 0.5 / 0.3 on every request")
     parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per request")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), help="modes to time (default: all)")
+    parser.add_argument("--static", choices=["eager", "compile"],
+                        help="also time each mode with uniform batches through the static forward in this mode "
+                             "(compile: torch.compile per bucket, done in the untimed warm-up step)")
     add_record_flag(parser)
     args = parser.parse_args(argv)
     set_threads(args.threads)
@@ -116,13 +129,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             make_negligible_model(folder, vocab)
             for batch in args.batch:
-                engines = build_engines(folder, batch, model_len)
-                samples: dict[str, list[float]] = {name: [] for name in MODES}
+                engines = build_engines(folder, batch, model_len, args.modes, args.static)
+                samples: dict[str, list[float]] = {name: [] for name in engines}
                 for _ in range(args.reps):  # interleaved A/B/C/D
-                    for name, (_, temperature) in MODES.items():
-                        samples[name].append(seconds_per_step(engines[name], batch, temperature, args.steps, vocab,
+                    for name, engine in engines.items():
+                        temperature = MODES[name.split(" [")[0]][1]
+                        samples[name].append(seconds_per_step(engine, batch, temperature, args.steps, vocab,
                                                               args.penalties, args.prompt_len))
-                for name in MODES:
+                for name in engines:
                     ms = 1e3 * median(samples[name])
                     results.append({"vocab": vocab, "batch": batch, "mode": name, "ms_per_step": ms,
                                     "samples_ms": [1e3 * s for s in samples[name]]})
@@ -130,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
     print_table(rows, ["vocab", "batch", "mode", "ms/step (speculative: per round)"])
-    suffix = ("_penalties" if args.penalties else "") + (f"_p{args.prompt_len}" if args.prompt_len != 16 else "")
+    suffix = ("_penalties" if args.penalties else "") + (f"_p{args.prompt_len}" if args.prompt_len != 16 else "") \
+        + (f"_static_{args.static}" if args.static else "")
     path = write_json(f"host_overhead_t{args.threads}{suffix}",
                       {"machine": machine_info(), "threads": torch.get_num_threads(), "k": K, "steps": args.steps,
                        "reps": args.reps, "penalties": PENALTIES if args.penalties else None,
-                       "prompt_len": args.prompt_len, "results": results}, record=args.record)
+                       "prompt_len": args.prompt_len, "static": args.static, "results": results}, record=args.record)
     print(f"wrote {path}")
     return 0
 

@@ -57,19 +57,21 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborted requests, reported by the next step()
         self._num_failed = 0
 
-    def enable_static_forward(self, mode: str) -> None:
+    def enable_static_forward(self, mode: str, block_buckets: tuple[int, ...] | None = None) -> None:
         """Uniform batches through static forwards (specdec/engine/cuda_graphs.py): the target's decodes and chain
         windows of every length up to k + 1, the draft model's one-token steps. Called at start-up with
         ``"cuda_graph"`` on CUDA unless ``enforce_eager``; ``"eager"`` / ``"compile"`` exercise the same path on
-        CPU (tests). Takes one block of each pool for padding rows (``EngineConfig.create`` sizes the pools
-        with one to spare when graphs are on)."""
+        CPU (tests, ``bench.host_overhead --static``). Takes one block of each pool for padding rows
+        (``EngineConfig.create`` sizes the pools with one to spare when graphs are on). ``block_buckets``: the
+        block-table widths served (None: one, the widest; the CPU attention gathers the whole width, so on CPU
+        several widths keep short sequences cheap)."""
         spec = self.speculative
         k = spec.k if spec is not None else 0
         max_seq_len = self.config.max_model_len + (spec.spec.tree_nodes(k) if spec is not None else 0) + 1
         max_batch = self.config.max_num_seqs
-        self.runner.enable_static_forward(mode, tuple(range(1, k + 2)), max_seq_len, max_batch)
+        self.runner.enable_static_forward(mode, tuple(range(1, k + 2)), max_seq_len, max_batch, block_buckets)
         if spec is not None and spec._model_drafter is not None:
-            spec._model_drafter.runner.enable_static_forward(mode, (1,), max_seq_len, max_batch)
+            spec._model_drafter.runner.enable_static_forward(mode, (1,), max_seq_len, max_batch, block_buckets)
 
     # --- requests ------------------------------------------------------------------------------------------
     def validate_request(

@@ -50,19 +50,23 @@ class ModelRunner:
         self.num_forwards = 0
         self.static: StaticForwardRunner | None = None  # uniform batches' static forwards (enable_static_forward)
 
-    def enable_static_forward(self, mode: str, q_lens: tuple[int, ...], max_seq_len: int, max_batch: int) -> None:
+    def enable_static_forward(self, mode: str, q_lens: tuple[int, ...], max_seq_len: int, max_batch: int,
+                              block_buckets: tuple[int, ...] | None = None) -> None:
         """Serve uniform batches (every item ``q_len in q_lens`` new causal tokens: decodes, draft steps, chain
         windows) through a :class:`StaticForwardRunner` in ``mode`` ("cuda_graph", "compile" or "eager"), captured
         lazily per bucket; everything else stays eager. Takes one block of the pool for padding rows (the engine
         sizes the pool with one to spare). ``max_seq_len``: the longest sequence a forward sees, lookahead
-        included; ``max_batch``: the most sequences in one forward (batch buckets: powers of two below it, and it).
+        included; ``max_batch``: the most sequences in one forward (batch buckets: powers of two below it, and it);
+        ``block_buckets``: block-table widths (those below the widest, and the widest; None: the widest only).
         """
         bm = self.block_manager
         scratch = reserve_scratch_block(bm)
         buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        max_blocks = bm.blocks_needed(max_seq_len)
+        widths = None if block_buckets is None else tuple(b for b in block_buckets if b < max_blocks) + (max_blocks,)
         self.static = StaticForwardRunner(self.model, self.pool.tensors, block_size=bm.block_size,
-                                          max_blocks=bm.blocks_needed(max_seq_len), scratch_block=scratch,
-                                          q_lens=q_lens, batch_sizes=buckets, mode=mode)
+                                          max_blocks=max_blocks, scratch_block=scratch, q_lens=q_lens,
+                                          batch_sizes=buckets, block_buckets=widths, mode=mode)
 
     def forward(self, items: list[ForwardItem], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Run one forward over ``items``; fp32 logits ``[sum(num_logits), V]`` in item order.
