@@ -20,11 +20,11 @@ wrong words). Noise over a vocabulary is drawn on the tensors' device, never on 
   elementwise passes; ``python -m bench.philox_cpu``, 1 thread: 1.5-6x faster than the numpy path it replaces
   and 3-11x faster than eager torch, the larger gains on the larger rows), called per chunk of
   ``_CPU_CHUNK_BLOCKS`` Philox blocks so its buffers stay in cache. Shapes are dynamic (one compilation per
-  process, tens of seconds cold, seconds from Inductor's on-disk cache), made in a background thread started by
-  the first sampled CPU step (or :func:`warm_up_cpu_noise`): until it is ready the same code runs eagerly, so no
-  request waits for the compiler and the numbers are the same either way. Without a working compiler it warns
-  once and stays eager (same bits, slower). Only the integer part is compiled: ``-log(u)`` and the
-  division stay eager torch, so a sampled token is bit-for-bit the argmax an unfused reference computes.
+  process, tens of seconds cold, seconds from Inductor's on-disk cache), made in a background thread started after
+  ``COMPILE_AFTER_CALLS`` eager noise calls (or by :func:`warm_up_cpu_noise`): until it is ready the same code runs
+  eagerly, so no request waits for the compiler and the numbers are the same either way. Without a working
+  compiler it warns once and stays eager (same bits, slower). Only the integer part is compiled: ``-log(u)`` and
+  the division stay eager torch, so a sampled token is bit-for-bit the argmax an unfused reference computes.
   (No numpy on this path any more; the numpy twin lives on in the tests as an oracle.)
 
 :func:`sample_argmax` is ``argmax(p / E)`` per row without materialising ``[R, V]`` noise on the CPU.
@@ -144,6 +144,11 @@ _cpu_lock = threading.Lock()  # serialises calls of the compiled function
 _state_lock = threading.Lock()  # guards starting the compile thread
 _cpu_compiled = None  # None: not started or compiling; the compiled _block_uniforms when ready; False if it failed
 _cpu_compile_thread: threading.Thread | None = None
+# Eager calls before the first sampled step starts the compile thread: a short run (a one-shot CLI call, a script
+# sampling a few tokens) never compiles, so it never waits at exit for a compile it does not need (the thread is
+# not a daemon: an interpreter that shut down under a running Inductor compile aborted, SIGABRT).
+COMPILE_AFTER_CALLS = 64
+_cpu_eager_calls = 0
 
 
 def _compiled_args(seeds, positions, stream, first_block, num_blocks):
@@ -163,7 +168,9 @@ def _call_compiled(fn, args):
 def _give_up_compiling(err: Exception) -> None:
     global _cpu_compiled
     _cpu_compiled = False
-    if not sys.is_finalizing():
+    # silent once the main thread has ended: at exit the compile fails by itself ("can't register atexit after
+    # shutdown") and there is nothing left to draw noise for
+    if not sys.is_finalizing() and threading.main_thread().is_alive():
         warnings.warn(f"Philox noise: torch.compile failed ({type(err).__name__}: {err}); drawing CPU noise "
                       "with eager torch from now on (same numbers, slower)", RuntimeWarning, stacklevel=3)
 
@@ -183,17 +190,18 @@ def _compile_cpu_noise() -> None:
 
 
 def warm_up_cpu_noise(wait: bool = False) -> bool:
-    """Start compiling the CPU noise path in a background thread (once per process; the first sampled CPU step
-    does it too), and with ``wait`` block until it is done. Returns whether the compiled path is in use.
+    """Start compiling the CPU noise path in a background thread (once per process; sampling does it by itself
+    after ``COMPILE_AFTER_CALLS`` eager noise calls), and with ``wait`` block until it is done. Returns whether the
+    compiled path is in use.
 
     Until the compiled function is ready, noise is drawn by the same code in eager torch: bit-identical numbers,
-    slower, and no request ever waits for the compiler (tens of seconds cold). Benchmarks that time sampled
-    steps call this with ``wait=True`` first."""
+    slower, and no request ever waits for the compiler (tens of seconds cold). The thread is not a daemon, so a
+    process that ends during the compile waits for it at exit. Benchmarks that time sampled steps call this with
+    ``wait=True`` first."""
     global _cpu_compile_thread
     with _state_lock:
         if _cpu_compiled is None and _cpu_compile_thread is None:
-            _cpu_compile_thread = threading.Thread(target=_compile_cpu_noise, name="specdec-philox-compile",
-                                                   daemon=True)
+            _cpu_compile_thread = threading.Thread(target=_compile_cpu_noise, name="specdec-philox-compile")
             _cpu_compile_thread.start()
         thread = _cpu_compile_thread
     if wait and thread is not None:
@@ -206,10 +214,13 @@ def _cpu_block_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: in
     """:func:`_block_uniforms` on CPU tensors, compiled by Inductor once that is ready (eager torch until then, or
     for good if compiling fails): fp32 ``[R, nb, 4]`` with ``nb = max(num_blocks, 2)``."""
     args = _compiled_args(seeds, positions, stream, first_block, num_blocks)
+    global _cpu_eager_calls
     fn = _cpu_compiled
     if fn is None:
-        warm_up_cpu_noise()
-        fn = _cpu_compiled
+        _cpu_eager_calls += 1
+        if _cpu_eager_calls >= COMPILE_AFTER_CALLS:
+            warm_up_cpu_noise()
+            fn = _cpu_compiled
     if fn:
         with _cpu_lock:
             try:

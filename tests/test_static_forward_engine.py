@@ -79,3 +79,18 @@ def test_cpu_default_is_eager_and_no_scratch_block(pair):
     engine = specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=64)
     assert engine.engine.runner.static is None
     assert not engine.engine.block_manager.has_seq(SCRATCH_SEQ_ID)
+
+
+def test_enabling_twice_keeps_one_scratch_block(pair):
+    """On CUDA the engine enables graphs at start-up; a second call (a bench's twin, another mode) replaces the
+    runner and keeps the scratch block instead of taking another one (or failing on the pseudo-sequence)."""
+    engine = llm(pair[0])
+    bm, runner = engine.engine.block_manager, engine.engine.runner
+    scratch, free = runner.scratch_block, bm.num_free_blocks
+    engine.engine.enable_static_forward("eager", block_buckets=(1, 2, 4))
+    assert runner.scratch_block == scratch and bm.num_free_blocks == free
+    assert runner.static.block_buckets[-1] == runner.static.max_blocks
+    ps = prompts(2, seed=4)
+    assert tokens(engine.generate(prompt_token_ids=ps, sampling_params=GREEDY)) == \
+        tokens(llm(pair[0], static=False).generate(prompt_token_ids=ps, sampling_params=GREEDY))
+    bm.check_invariants()

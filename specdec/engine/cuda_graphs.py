@@ -88,8 +88,10 @@ class _StaticBatch:
         self.block_tables = torch.full((n, nb), scratch_block, dtype=torch.int32, device=device)  # [n, nb]
         self.seq_lens = torch.full((n,), q, dtype=torch.int32, device=device)  # [n]
         self.cu_q_lens = torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)  # [n+1], constant
-        self.logits_indices = torch.arange(n * q, device=device)  # int64 [n*q], constant: every row
-        self.output: torch.Tensor | None = None  # fp32 [n*q, V] once captured (cuda_graph mode)
+        # once captured (cuda_graph mode): the final-norm hidden states [n*q, hidden] in the model's dtype. The
+        # LM head runs outside the graph on the rows a step wants: no [n*q, V] buffer per bucket (~1 GB over the
+        # default buckets at V = 128256, k = 4), and no head for padding rows.
+        self.output: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.compiled = None  # the compiled static forward (compile mode)
 
@@ -219,7 +221,8 @@ class StaticForwardRunner:
             q_len: new tokens per sequence (Python int).
             logits_indices: int64 ``[N]`` rows of ``0 .. n*q_len-1`` whose logits are wanted; None = all rows.
         Returns:
-            fp32 logits ``[N, V]`` (or ``[n*q_len, V]``), a tensor of its own (not the graph's output buffer).
+            fp32 logits ``[N, V]`` (or ``[n*q_len, V]``), a tensor of its own (not the graph's output buffer): the
+            static forward gives the final-norm hidden states, and the LM head runs eagerly on the wanted rows.
         """
         num_seqs, width = block_tables.shape
         if input_ids.shape[0] != num_seqs * q_len or seq_lens.shape[0] != num_seqs:
@@ -237,19 +240,22 @@ class StaticForwardRunner:
         elif static.compiled is not None:
             with torch.no_grad():
                 out = static.compiled(static.ids, static.positions, static.slot_mapping, static.block_tables,
-                                      static.seq_lens, static.cu_q_lens, static.logits_indices)  # fmt: skip
+                                      static.seq_lens, static.cu_q_lens)  # fmt: skip
         else:
             out = self._forward(static)
         self.num_replays += 1
         rows = num_seqs * q_len
-        return out[:rows].clone() if logits_indices is None else out[:rows][logits_indices]
+        hidden = out[:rows] if logits_indices is None else out[:rows][logits_indices]  # [N, hidden]
+        with torch.inference_mode():
+            return self.model.logits(hidden)
 
     # ------------------------------------------------------------------------------------------ internals
 
     def _forward(self, static: _StaticBatch) -> torch.Tensor:
         meta = AttentionMetadata(static.slot_mapping, static.block_tables, static.seq_lens, static.cu_q_lens,
                                  uniform_q_len=static.key.q_len)  # fmt: skip
-        return self.model(static.ids, static.positions, self.kv_cache, meta, static.logits_indices)
+        with torch.inference_mode():
+            return self.model.final_hidden_states(static.ids, static.positions, self.kv_cache, meta)
 
     def _static_batch(self, key: BucketKey) -> _StaticBatch:
         static = self._batches.get(key)
@@ -274,7 +280,7 @@ class StaticForwardRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            static.output = self._forward(static)  # fp32 [batch*q_len, V], lives in the graph's pool
+            static.output = self._forward(static)  # [batch*q_len, hidden], lives in the graph's pool
         self._graph_pool = graph.pool()
         static.graph = graph
 
@@ -286,9 +292,9 @@ def _static_forward(model: LlamaForCausalLM, kv_cache: tuple[torch.Tensor, torch
     shared function would count every bucket as a recompile of the others and hit the recompile limit (8)."""
     q_len = key.q_len
 
-    def forward(ids, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, logits_indices):
+    def forward(ids, positions, slot_mapping, block_tables, seq_lens, cu_q_lens):
         meta = AttentionMetadata(slot_mapping, block_tables, seq_lens, cu_q_lens, uniform_q_len=q_len)
-        return model.forward_traceable(ids, positions, kv_cache, meta, logits_indices)
+        return model.final_hidden_states(ids, positions, kv_cache, meta)
 
     name = f"static_forward_b{key.batch}_q{key.q_len}_nb{key.blocks}"
     code = forward.__code__.replace(co_name=name)  # a new code object (co_qualname is Python >= 3.11 only)

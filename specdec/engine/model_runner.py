@@ -49,6 +49,7 @@ class ModelRunner:
         self.staging = StagingBuffer(device)
         self.num_forwards = 0
         self.static: StaticForwardRunner | None = None  # uniform batches' static forwards (enable_static_forward)
+        self.scratch_block: int | None = None  # the padding rows' block, taken from the pool once
 
     def enable_static_forward(self, mode: str, q_lens: tuple[int, ...], max_seq_len: int, max_batch: int,
                               block_buckets: tuple[int, ...] | None = None) -> None:
@@ -60,7 +61,10 @@ class ModelRunner:
         ``block_buckets``: block-table widths (those below the widest, and the widest; None: the widest only).
         """
         bm = self.block_manager
-        scratch = reserve_scratch_block(bm)
+        # a second call replaces the runner and keeps the scratch block (the engine makes the first one on CUDA)
+        if self.scratch_block is None:
+            self.scratch_block = reserve_scratch_block(bm)
+        scratch = self.scratch_block
         buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
         max_blocks = bm.blocks_needed(max_seq_len)
         widths = None if block_buckets is None else tuple(b for b in block_buckets if b < max_blocks) + (max_blocks,)

@@ -185,12 +185,31 @@ class LlamaForCausalLM(nn.Module):
         """``forward`` without its ``inference_mode`` decorator, for ``torch.compile`` (call it under
         ``torch.no_grad()``): Dynamo fails on the K/V cache writes inside inference mode ("Cannot set
         version_counter for inference tensor", torch 2.13). Same inputs and output as ``forward``."""
+        x = self._decoder(input_ids, positions, kv_cache, meta)  # (T, hidden)
+        return self.logits(self.norm(x[logits_indices]))  # (N, V)
+
+    def final_hidden_states(
+        self,
+        input_ids: torch.Tensor,  # int64 (T,)
+        positions: torch.Tensor,  # int64 (T,)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The final-norm hidden states of every new token, model dtype ``[T, hidden]`` (the static forward of
+        specdec/engine/cuda_graphs.py captures this and applies :meth:`logits` to the rows it needs). No
+        ``inference_mode`` decorator (see ``forward_traceable``)."""
+        return self.norm(self._decoder(input_ids, positions, kv_cache, meta))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[N, V]`` of final-norm hidden states ``[N, hidden]``."""
+        return self.lm_head(hidden).float()
+
+    def _decoder(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_caches, v_caches = kv_cache
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, k_caches[i], v_caches[i], meta)
-        x = self.norm(x[logits_indices])  # (N, hidden)
-        return self.lm_head(x).float()  # (N, V)
+        return x  # (T, hidden), before the final norm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up; raise ``ValueError`` on missing/unknown/mis-shaped ones."""

@@ -207,6 +207,8 @@ def test_samples_do_not_wait_for_the_compiler_and_match_it(monkeypatch):
 
     monkeypatch.setattr(philox, "_cpu_compiled", None)
     monkeypatch.setattr(philox, "_cpu_compile_thread", None)
+    monkeypatch.setattr(philox, "_cpu_eager_calls", 0)
+    monkeypatch.setattr(philox, "COMPILE_AFTER_CALLS", 1)
     monkeypatch.setattr(philox.torch, "compile", slow_compile)
     seeds, positions = _seeds_and_positions(4)
     probs = _probs(4, 333)
@@ -217,6 +219,24 @@ def test_samples_do_not_wait_for_the_compiler_and_match_it(monkeypatch):
     compiled = row_uniforms(seeds, positions, 2, 333), sample_argmax(probs, seeds, positions, 2)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
     assert torch.equal(eager[0], _row_uniforms_numpy(seeds, positions, 2, 333))
+
+
+def test_short_runs_never_start_the_compiler(monkeypatch):
+    """Fewer than COMPILE_AFTER_CALLS eager noise calls start no compile thread (a one-shot run never waits for a
+    compile at exit); the call that reaches it does."""
+    started = []
+    monkeypatch.setattr(philox, "_cpu_compiled", None)
+    monkeypatch.setattr(philox, "_cpu_compile_thread", None)
+    monkeypatch.setattr(philox, "_cpu_eager_calls", 0)
+    monkeypatch.setattr(philox, "COMPILE_AFTER_CALLS", 3)
+    monkeypatch.setattr(philox, "_compile_cpu_noise", lambda: started.append(True))
+    seeds, positions = _seeds_and_positions(2)
+    for _ in range(2):
+        row_uniforms(seeds, positions, 0, 16)
+    assert philox._cpu_compile_thread is None and not started
+    row_uniforms(seeds, positions, 0, 16)
+    philox._cpu_compile_thread.join()
+    assert started == [True] and not philox._cpu_compile_thread.daemon
 
 
 def test_threads_draw_the_same_numbers():
@@ -247,6 +267,8 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
 
     monkeypatch.setattr(philox, "_cpu_compiled", None)
     monkeypatch.setattr(philox, "_cpu_compile_thread", None)
+    monkeypatch.setattr(philox, "_cpu_eager_calls", 0)
+    monkeypatch.setattr(philox, "COMPILE_AFTER_CALLS", 1)
     monkeypatch.setattr(philox.torch, "compile", broken_compile)
     seeds, positions = _seeds_and_positions(5)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
