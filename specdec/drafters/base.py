@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from specdec.device import to_device
 from specdec.drafters.tree import DraftTree
 from specdec.sampling.params import SamplingParams
 
@@ -68,7 +69,7 @@ class DraftProposal:
         """int64 ``[sum(k_b)]``: the drafts in request order on ``device`` (copied there from the host if needed)."""
         if self.device_ids is not None:
             return self.device_ids
-        return torch.tensor([t for d in self.token_ids for t in d], dtype=torch.int64, device=device)
+        return to_device([t for d in self.token_ids for t in d], torch.int64, device)
 
     def read_token_ids(self, request_ids: list[str]) -> list[list[int]]:
         """The drafts on the host: ``token_ids``, or the device drafts with their NaN/inf check in one host read

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.device import to_device
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.drafters.tree import DraftTree
@@ -50,8 +51,8 @@ class CombinedDrafter:
                     rows += range(start, start + n)
                     lookup_flat += free.token_ids[i]
             device = model.device_ids.device
-            index = torch.tensor(rows, dtype=torch.int64, device=device)
-            lookup_ids = torch.tensor(lookup_flat, dtype=torch.int64, device=device)
+            index = to_device(rows, torch.int64, device)
+            lookup_ids = to_device(lookup_flat, torch.int64, device)
             device_ids = torch.cat([model.device_ids, lookup_ids])[index]
             if model.bad_rows is not None:
                 bad_rows = torch.cat([model.bad_rows, torch.zeros_like(lookup_ids, dtype=torch.bool)])[index]

@@ -20,6 +20,7 @@ import torch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.device import to_device
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.draft_tree import TreeShape, propose_tree
 from specdec.engine.adaptive import ForwardTimer
@@ -100,8 +101,7 @@ class DraftModelDrafter:
             step += 1
             keep = [row for row, i in enumerate(active) if num_tokens[i] > step]
             active = [active[row] for row in keep]
-            input_ids = tokens if len(keep) == len(tokens) else tokens[torch.tensor(keep, dtype=torch.int64,
-                                                                                      device=tokens.device)]
+            input_ids = tokens if len(keep) == len(tokens) else tokens[to_device(keep, torch.int64, tokens.device)]
             items = [ForwardItem(seqs[i].seq_id, [UNKNOWN_ID_STANDIN], seqs[i].num_tokens + step - 1, 1)
                      for i in active]  # the ids themselves come from input_ids
         counts = [len(rows) for rows in q_rows]
@@ -172,5 +172,5 @@ def _request_major(step_tokens: list[torch.Tensor], bad_rows: list[torch.Tensor]
     if not step_tokens:
         return (torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.bool, device=device))
     order = sorted(range(len(owners)), key=owners.__getitem__)  # stable: a request's rows stay in step order
-    index = torch.tensor(order, dtype=torch.int64, device=device)
+    index = to_device(order, torch.int64, device)
     return torch.cat(step_tokens)[index], torch.cat(bad_rows)[index]

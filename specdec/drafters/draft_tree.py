@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.device import to_device
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.tree import DraftTree
 from specdec.engine.model_runner import ForwardItem
@@ -120,11 +121,11 @@ def _expand_level(active: list[_Growing], frontier: dict[int, list[int]], depth:
     greedy = [g.seq.params.is_greedy for g, _, _ in rows]
     keys = q  # greedy rows: the top-c tokens of q
     if not all(greedy):
-        seeds = torch.tensor([g.seq.seed for g, _, _ in rows], dtype=torch.int64)
-        positions = torch.tensor([g.seq.num_tokens + depth - 1 for g, _, _ in rows], dtype=torch.int64)
-        noise = row_exponentials(seeds, positions, STREAM_DRAFT, q.shape[-1]).to(q.device)  # (F, V_draft)
+        seeds = to_device([g.seq.seed for g, _, _ in rows], torch.int64, q.device)
+        positions = to_device([g.seq.num_tokens + depth - 1 for g, _, _ in rows], torch.int64, q.device)
+        noise = row_exponentials(seeds, positions, STREAM_DRAFT, q.shape[-1])  # (F, V_draft), on q's device
         # sampled rows: the top-c of q / E, c draws without replacement from q
-        keys = torch.where(torch.tensor(greedy, device=q.device)[:, None], q, q / noise)
+        keys = torch.where(to_device(greedy, torch.bool, q.device)[:, None], q, q / noise)
     width = max(c for _, _, c in rows)
     values, ids = torch.topk(keys, width, dim=-1)  # (F, width)
     picked = q.gather(1, ids)  # (F, width) q of each child

@@ -18,6 +18,7 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_compaction import compaction_slots
 from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
+from specdec.device import to_device
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.compat import check_draft_compatible
@@ -237,8 +238,7 @@ class SpeculativeDecoder:
 def _compact(pool: KVPool, src: list[int], dst: list[int]) -> None:
     if src:
         device = pool.tensors[0].device
-        ops.kv_compact(pool.tensors, torch.tensor(src, dtype=torch.int64, device=device),
-                       torch.tensor(dst, dtype=torch.int64, device=device))
+        ops.kv_compact(pool.tensors, to_device(src, torch.int64, device), to_device(dst, torch.int64, device))
 
 
 def target_input_ids(items: list[ForwardItem], drafts: Drafts | None, device: torch.device) -> torch.Tensor | None:
@@ -256,8 +256,8 @@ def target_input_ids(items: list[ForwardItem], drafts: Drafts | None, device: to
         if k:
             slots += range(start + 1, start + 1 + k)  # after the window's last token
         start += len(item.token_ids)
-    ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.int64, device=device)
-    ids[torch.tensor(slots, dtype=torch.int64, device=device)] = drafts.proposal.device_ids
+    ids = to_device([t for item in items for t in item.token_ids], torch.int64, device)
+    ids[to_device(slots, torch.int64, device)] = drafts.proposal.device_ids
     return ids
 
 
@@ -274,14 +274,14 @@ def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
         for t in proposal.trees:
             starts.append(starts[-1] + len(t.token_ids))
         rows = [r for i in keep for r in range(starts[i], starts[i + 1])]
-        probs = probs[torch.tensor(rows, dtype=torch.int64, device=probs.device)]
+        probs = probs[to_device(rows, torch.int64, probs.device)]
     device_ids, bad_rows = proposal.device_ids, proposal.bad_rows
     if device_ids is not None:  # the drafts' flat rows of the kept requests
         starts = [0]
         for n in counts:
             starts.append(starts[-1] + n)
-        index = torch.tensor([r for i in keep for r in range(starts[i], starts[i + 1])], dtype=torch.int64,
-                             device=device_ids.device)
+        index = to_device([r for i in keep for r in range(starts[i], starts[i + 1])], torch.int64,
+                          device_ids.device)
         device_ids = device_ids[index]
         bad_rows = bad_rows[index] if bad_rows is not None else None
     host = [proposal.token_ids[i] for i in keep] if proposal.token_ids is not None else None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.device import to_device
+
 TokenLogprobs = dict[int, float]  # token id -> log-probability: the top-N tokens, then the emitted one
 
 
@@ -31,8 +33,8 @@ def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top
     if not rows:
         return []
     device = logits.device
-    lp = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)  # (N, V) fp32
-    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.int64, device=device)[:, None])  # (N, 1)
+    lp = torch.log_softmax(logits[to_device(rows, torch.int64, device)].float(), dim=-1)  # (N, V) fp32
+    chosen = lp.gather(1, to_device(tokens, torch.int64, device)[:, None])  # (N, 1)
     k = max(top_n)
     top = lp.topk(k, dim=-1) if k else None  # values / indices (N, k)
     parts = [chosen.double()] + ([top.values.double(), top.indices.double()] if top is not None else [])

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.device import to_device
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import PenaltyRows, penalty_rows
 from specdec.sampling.standardize import SamplingTensors
@@ -39,7 +40,7 @@ class SamplingMetadata:
         st = SamplingTensors.from_params(params, device)
         keys = None
         if not st.all_greedy:
-            keys = torch.tensor([seeds, positions], dtype=torch.int64).reshape(2, num_rows).to(device)  # [2, R]
+            keys = to_device([seeds, positions], torch.int64, device).reshape(2, num_rows)  # [2, R]
         pen = None
         if st.any_penalty:
             pen = penalty_rows(prompts, outputs, vocab_size, device, [p.has_penalties for p in params])

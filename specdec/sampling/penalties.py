@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.device import to_device
+
 
 @dataclass
 class PenaltyRows:
@@ -89,7 +91,7 @@ def penalty_rows(prompts: list[list[int]], outputs: list[list[int]], vocab_size:
     if ids:
         np.concatenate(ids, out=flat[1])
         np.concatenate(counts, out=flat[2], casting="unsafe")
-    table = torch.from_numpy(flat).to(device)
+    table = to_device(flat, torch.int64, device)
     return PenaltyRows(table[0], table[1], table[2].int(), num_rows)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from specdec import ops
+from specdec.device import to_device
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import PenaltyRows
 
@@ -40,10 +41,10 @@ class SamplingTensors:
         table = np.array([(p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                            p.frequency_penalty) for p in params], dtype=np.float32).reshape(-1, 6)  # [R, 6]
         any_greedy = bool((table[:, 0] == 0).any())  # as the fp32 temperature says (1e-50 rounds to 0)
-        table = torch.from_numpy(np.ascontiguousarray(table.T)).to(device)  # [6, R]
+        table = to_device(np.ascontiguousarray(table.T), torch.float32, device)  # [6, R]
         return cls(
             temperature=table[0],
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+            top_k=to_device([p.top_k for p in params], torch.int64, device),
             top_p=table[1],
             min_p=table[2],
             repetition_penalty=table[3],

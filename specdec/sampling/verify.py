@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from specdec import ops
+from specdec.device import to_device
 from specdec.drafters.base import DraftProposal, check_draft_rows, split_drafts
 from specdec.drafters.tree import DraftTree
 from specdec.sampling.params import SamplingParams
@@ -80,7 +81,7 @@ def verify(logits: torch.Tensor, seqs: list[VerifyRequest], proposal: DraftPropo
     verify_op = ops.block_verify if method == "block" else ops.spec_sample  # same arguments and outputs
     out, num_accepted = verify_op(
         proposal.device_token_ids(device),  # int64 [sum(k_b)]
-        torch.tensor(cu, dtype=torch.int32, device=device),
+        to_device(cu, torch.int32, device),
         proposal.probs,
         target_probs,
         target_argmax,
@@ -152,10 +153,10 @@ def _request_tensors(
     """The per-request inputs of the verification ops: ``(is_greedy bool [B], draft_is_onehot bool [B],
     seeds int64 [B], positions int64 [B])``; a request's first draft sits at its ``num_tokens``."""
     return (
-        torch.tensor([s.params.is_greedy for s in seqs], dtype=torch.bool, device=device),
-        torch.tensor(proposal.is_onehot, dtype=torch.bool, device=device),
-        torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=device),
-        torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=device),
+        to_device([s.params.is_greedy for s in seqs], torch.bool, device),
+        to_device(proposal.is_onehot, torch.bool, device),
+        to_device([s.seed for s in seqs], torch.int64, device),
+        to_device([s.num_tokens for s in seqs], torch.int64, device),
     )
 
 
@@ -211,9 +212,9 @@ def verify_trees(logits: torch.Tensor, seqs: list[VerifyRequest], proposal: Draf
         cu.append(cu[-1] + len(t.token_ids))
     max_depth = max(t.max_depth for t in trees)
     out, num_accepted, nodes = ops.tree_sample(
-        torch.tensor([x for t in trees for x in t.token_ids], dtype=torch.int64, device=device),
-        torch.tensor([p for t in trees for p in t.parents], dtype=torch.int32, device=device),
-        torch.tensor(cu, dtype=torch.int32, device=device),
+        to_device([x for t in trees for x in t.token_ids], torch.int64, device),
+        to_device([p for t in trees for p in t.parents], torch.int32, device),
+        to_device(cu, torch.int32, device),
         proposal.probs,
         target_probs,
         target_argmax,
