@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from specdec.drafters import prompt_lookup as prompt_lookup_module
 from specdec.drafters.base import DraftProposal
 from specdec.drafters.combined import CombinedDrafter
 from specdec.drafters.ngram import NgramDrafter, NgramTable
-from specdec.drafters import prompt_lookup as prompt_lookup_module
 from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_matches, prompt_lookup, prompt_lookup_tree
 from specdec.drafters.tree import DraftTree
 from specdec.engine.sequence import Sequence, Status
@@ -295,7 +295,8 @@ def test_without_keep_chain_the_budget_goes_to_the_most_probable_nodes():
     # prompt lookup: after 0 come 1 5, 1 5, 2 6, 2 7 (the latest match: the chain 2 7)
     assert prompt_lookup_tree(stream, 2, 2, 1, 1).token_ids == (0, 2, 7)
     assert prompt_lookup_tree(stream, 2, 2, 1, 1, keep_chain=False).token_ids == (0, 2, 1)
-    assert PromptLookupDrafter(1, 1, keep_chain=False).propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
+    drafter = PromptLookupDrafter(1, 1, keep_chain=False)
+    assert drafter.propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
 
 
 # --- both drafters: proposal shape, greedy acceptance, determinism, bad input -----------------------------

@@ -196,6 +196,15 @@ def test_one_compiled_graph_for_every_shape():
     assert philox._cpu_compiled is not False
 
 
+def _fresh_compile_state(monkeypatch, compile_fn) -> None:
+    """A process that has not started compiling the CPU noise yet, compiling with ``compile_fn`` after 1 call."""
+    monkeypatch.setattr(philox, "_cpu_compiled", None)
+    monkeypatch.setattr(philox, "_cpu_compile_thread", None)
+    monkeypatch.setattr(philox, "_cpu_eager_calls", 0)
+    monkeypatch.setattr(philox, "COMPILE_AFTER_CALLS", 1)
+    monkeypatch.setattr(philox.torch, "compile", compile_fn)
+
+
 def test_samples_do_not_wait_for_the_compiler_and_match_it(monkeypatch):
     """Before the background compile is ready, noise is drawn eagerly - the same numbers the compiled path gives."""
     release = threading.Event()
@@ -205,11 +214,7 @@ def test_samples_do_not_wait_for_the_compiler_and_match_it(monkeypatch):
         release.wait(timeout=60)  # the compiler "takes" until the test has drawn its eager numbers
         return real_compile(fn, **kwargs)
 
-    monkeypatch.setattr(philox, "_cpu_compiled", None)
-    monkeypatch.setattr(philox, "_cpu_compile_thread", None)
-    monkeypatch.setattr(philox, "_cpu_eager_calls", 0)
-    monkeypatch.setattr(philox, "COMPILE_AFTER_CALLS", 1)
-    monkeypatch.setattr(philox.torch, "compile", slow_compile)
+    _fresh_compile_state(monkeypatch, slow_compile)
     seeds, positions = _seeds_and_positions(4)
     probs = _probs(4, 333)
     eager = row_uniforms(seeds, positions, 2, 333), sample_argmax(probs, seeds, positions, 2)
@@ -265,11 +270,7 @@ def test_a_failing_compiler_falls_back_to_eager_with_one_warning(monkeypatch):
             raise RuntimeError("no C++ compiler")
         return call
 
-    monkeypatch.setattr(philox, "_cpu_compiled", None)
-    monkeypatch.setattr(philox, "_cpu_compile_thread", None)
-    monkeypatch.setattr(philox, "_cpu_eager_calls", 0)
-    monkeypatch.setattr(philox, "COMPILE_AFTER_CALLS", 1)
-    monkeypatch.setattr(philox.torch, "compile", broken_compile)
+    _fresh_compile_state(monkeypatch, broken_compile)
     seeds, positions = _seeds_and_positions(5)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler"):
         got = row_uniforms(seeds, positions, 1, 77)  # eager while the compile thread runs (and fails)
