@@ -15,7 +15,7 @@ from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import penalty_context, penalty_rows, row_counts
 from specdec.sampling.sampler import sample_from_probs, sample_rows
-from specdec.sampling.standardize import SamplingTensors, apply_penalties, standardize
+from specdec.sampling.standardize import SamplingTensors, apply_penalties, apply_penalty_rows, standardize
 
 
 def make_seq(prompt, params=None, seq_id=0):
@@ -208,7 +208,7 @@ def test_sparse_penalties_equal_the_dense_ones_bitwise(seed):
     want = apply_penalties(logits, seen, counts, st)
     raw = logits.clone()
     pr = penalty_rows(prompts, outputs, vocab, "cpu", [p.has_penalties for p in params])
-    got = apply_penalties(logits, pr, None, st)
+    got = apply_penalty_rows(logits, pr, st)
     assert torch.equal(logits, raw)  # the raw logits (logprobs read them) are untouched
     assert torch.equal(got, want)
     # and the sampler: the same tokens as the from-lists path

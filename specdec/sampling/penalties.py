@@ -3,7 +3,8 @@
 The context is sparse - per row, each **distinct** token of prompt + output (+ the drafts before a draft
 position) once, with its count in the output - because that is all the penalties touch: a row of a long request
 has a few hundred distinct tokens against a vocabulary of 10^5. :func:`penalty_rows` builds it with one host to
-device copy; :func:`penalty_context` is the same context as dense ``[R, V]`` tensors.
+device copy; :func:`penalty_context` is the same context as dense ``[R, V]`` tensors (the reference the tests
+compare the sparse path against).
 
 Per row, the counts come from the request's ``TokenHistory`` (engine/token_history.py: kept up to date per
 appended token, O(distinct) to hand over) when the row's lists are the sequence's own (``seq.prompt_token_ids``
@@ -103,6 +104,6 @@ def penalty_context(
     ``seen_mask`` marks tokens in prompt or output (repetition penalty); ``output_counts`` counts tokens in the
     output only (presence / frequency penalties, as vLLM and OpenAI define them). For speculative rows the
     "output" of draft position j is the generated text plus the drafts before j. The dense form of
-    :func:`penalty_rows` (which ``apply_penalties`` also takes, at O(entries) instead of O(R * V)).
+    :func:`penalty_rows` (which ``apply_penalty_rows`` applies at O(entries) instead of O(R * V)).
     """
     return penalty_rows(prompts, outputs, vocab_size, device).dense(vocab_size)

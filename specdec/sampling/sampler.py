@@ -95,14 +95,6 @@ def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     return ~(torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)))
 
 
-def read_checked(values: torch.Tensor, bad_rows: torch.Tensor) -> tuple[list[int], list[int]]:
-    """``values`` (int64 ``[N]``) on the host, and the indices of the flagged rows of ``bad_rows`` (bool ``[R]``),
-    in one host read (one sync on a GPU): how a step reads its tokens and its deferred NaN/inf check together."""
-    both = torch.cat([values, bad_rows.long()]).tolist()
-    n = values.shape[0]
-    return both[:n], [r for r, flag in enumerate(both[n:]) if flag]
-
-
 def check_finite(logits: torch.Tensor) -> None:
     """Raise ``FloatingPointError`` naming the rows with NaN/inf logits (a host read)."""
     bad = nonfinite_rows(logits)

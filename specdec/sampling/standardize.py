@@ -59,20 +59,18 @@ class SamplingTensors:
 
 def apply_penalties(
     logits: torch.Tensor,
-    seen_mask: torch.Tensor | PenaltyRows | None,
+    seen_mask: torch.Tensor | None,
     output_counts: torch.Tensor | None,
     st: SamplingTensors,
 ) -> torch.Tensor:
-    """Penalised fp32 logits ``[R, V]`` (a new tensor when a penalty is on; ``logits`` itself is never changed).
+    """Penalised fp32 logits ``[R, V]`` from the dense context (a new tensor when a penalty is on; ``logits``
+    itself is never changed): the reference the engine's sparse :func:`apply_penalty_rows` is tested against.
 
     Args:
         logits: ``[R, V]`` raw logits.
-        seen_mask: bool ``[R, V]``, tokens present in prompt or output (repetition penalty), or None; or the
-            sparse context (:class:`PenaltyRows`, ``output_counts`` None), which costs O(entries), not O(R * V).
+        seen_mask: bool ``[R, V]``, tokens present in prompt or output (repetition penalty), or None.
         output_counts: int ``[R, V]``, occurrences in the generated output so far (presence / frequency), or None.
     """
-    if isinstance(seen_mask, PenaltyRows):
-        return apply_penalty_rows(logits, seen_mask, st)
     logits = logits.float()
     if not st.any_penalty:
         return logits
