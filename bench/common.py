@@ -22,9 +22,9 @@ import torch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
-from specdec.engine.model_runner import ForwardItem, ModelRunner
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
+from specdec.runner.model_runner import ForwardItem, ModelRunner
 
 BENCH_DIR = Path(__file__).resolve().parent
 PROMPTS_DIR = BENCH_DIR / "prompts"

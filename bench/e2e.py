@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target_model, config = spec_llm.engine.model, spec_llm.engine.model_config
     meta["prepacked_linears"] = any(getattr(m, "packed_weight", None) is not None for m in target_model.modules())
-    drafter = spec_llm.engine.speculative.drafter
+    drafter = spec_llm.engine.speculative.proposer
     drafter = getattr(drafter, "draft_model", drafter)  # the combined drafter holds the draft-model drafter
     runner = getattr(drafter, "runner", None)
     draft_model, draft_config = (runner.model, drafter.config) if runner is not None else (None, None)

@@ -107,11 +107,11 @@ def microbenchmark(rows_list: list[int], vocabs: list[int], reps: int, chunks: l
 def host_overhead_with_numpy(argv: list[str]) -> int:
     """bench.host_overhead with the numpy noise in every place that drew it before (the sampler, the tree drafter,
     the CPU references' residual draws)."""
-    import specdec.drafters.draft_tree as draft_tree
     import specdec.kernels.block_verify as block_verify
     import specdec.kernels.spec_sample as spec_sample
     import specdec.kernels.tree_sample as tree_sample
     import specdec.sampling.sampler as sampler
+    import specdec.spec_decode.proposers.draft_tree as draft_tree
     from bench import host_overhead
 
     sampler.sample_argmax = numpy_sample

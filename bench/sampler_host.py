@@ -1,8 +1,8 @@
 """Host CPU time of the plain sampling layer per step, as the engine's plain step calls it, without the forward.
 
-``sample_rows(logits, params, seeds, positions, prompts, outputs)`` with each row's lists the sequence's own
-(``seq.prompt_token_ids``, ``seq.output_token_ids``), one sampled token appended per row after every step - so a
-request's history grows as in decoding. Rows: vocab x batch x temperature (0 / 0.8) x penalties (off / on:
+``sample_rows(logits, params, seeds, positions, contexts)`` with each row's penalty context from the sequence's own
+history (``seq.penalty_counts()``), one sampled token appended per row after every step - so a request's history
+grows as in decoding. Rows: vocab x batch x temperature (0 / 0.8) x penalties (off / on:
 repetition 1.1, presence 0.5, frequency 0.3) x history length (prompt + output, half each). Each figure is the
 median thread CPU time (``time.thread_time``: time the process was descheduled on a shared machine is not
 counted) over ``--steps`` steps after 2 warm-up steps. The forward, scheduling and the Philox noise's own cost
@@ -40,18 +40,18 @@ def ms_per_step(vocab: int, batch: int, temperature: float, penalties: bool, his
         seq = Sequence(i, str(i), None, [rng.randrange(vocab) for _ in range(max(1, history // 2))], params, i,
                        frozenset())
         for _ in range(history - max(1, history // 2)):
-            seq.output_token_ids.append(rng.randrange(vocab))
+            seq.append_token(rng.randrange(vocab))
         seqs.append(seq)
     logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0))  # fp32 [B, V]
     times = []
     for _ in range(steps + 2):
         start = time.thread_time()
         tokens = sample_rows(logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs],
-                             [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs], STREAM_SAMPLE,
+                             [s.penalty_counts() if s.params.has_penalties else None for s in seqs], STREAM_SAMPLE,
                              bad_rows=[])[0].tolist()
         times.append(time.thread_time() - start)
         for seq, token in zip(seqs, tokens):
-            seq.output_token_ids.append(token)
+            seq.append_token(token)
     return 1e3 * statistics.median(times[2:])
 
 

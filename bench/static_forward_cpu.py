@@ -1,4 +1,4 @@
-"""Does the static forward (specdec/engine/cuda_graphs.py) pay on CPU? Times one uniform forward (decode or a
+"""Does the static forward (specdec/runner/cuda_graphs.py) pay on CPU? Times one uniform forward (decode or a
 k+1 window) per mode: the engine's ragged eager forward, the static forward eager, and the static forward under
 ``torch.compile`` (inductor; the compile time is reported apart).
 
@@ -22,10 +22,10 @@ import time
 import torch
 
 from specdec.cache.kv_pool import KVPool
-from specdec.engine.cuda_graphs import StaticForwardRunner
 from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
 from specdec.model.loader import load_model
+from specdec.runner.cuda_graphs import StaticForwardRunner
 
 
 def _model_path(name: str | None) -> str:

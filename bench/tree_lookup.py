@@ -23,14 +23,22 @@ import time
 from dataclasses import dataclass
 
 import specdec
-from bench.common import (OUT_DIR, PROMPT_CLASSES, RESULTS_DIR, chat_token_ids, load_prompts, machine_info,
-                          resolve_model, set_threads)
-from specdec.drafters.ngram import NgramDrafter
-from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.drafters.tree import DraftTree
+from bench.common import (
+    OUT_DIR,
+    PROMPT_CLASSES,
+    RESULTS_DIR,
+    chat_token_ids,
+    load_prompts,
+    machine_info,
+    resolve_model,
+    set_threads,
+)
 from specdec.engine.sequence import Sequence
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling.params import SamplingParams
+from specdec.spec_decode.proposers.ngram import NgramProposer
+from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
+from specdec.spec_decode.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -62,14 +70,15 @@ def greedy_accepted(tree: DraftTree, target: list[int]) -> int:
 def replay(config: Config, prompt: list[int], output: list[int], lookup_min: int = 2) -> dict:
     """One request replayed round by round (see the module docstring)."""
     if config.method == "prompt_lookup":
-        drafter = PromptLookupDrafter(lookup_min, max(lookup_min, 4), keep_chain=config.keep_chain)
+        drafter = PromptLookupProposer(lookup_min, max(lookup_min, 4), keep_chain=config.keep_chain)
     else:
-        drafter = NgramDrafter(keep_chain=config.keep_chain)
+        drafter = NgramProposer(keep_chain=config.keep_chain)
     seq = Sequence(0, "replay", None, list(prompt), SamplingParams(), 0, frozenset())
     done = rounds = drafting_rounds = drafted = 0
     seconds = 0.0
     while done < len(output):
-        seq.output_token_ids = output[:done]
+        for token in output[len(seq.output_token_ids) : done]:
+            seq.append_token(token)
         start = time.perf_counter()
         if config.nodes is None:
             drafts = drafter.propose([seq], [config.depth]).token_ids[0]

@@ -44,11 +44,11 @@ Rows that fall back to the token-wise rule of ``spec_sample``, bit for bit (same
 Drafts: the proof assumes x_i ~ Q_i given the text, independent of how earlier rounds were decided. Token-wise
 verification never looks past the first rejection, so the next round, which starts right after it, only draws at
 positions nobody has looked at. Block verification looks at the whole block, so a drafter whose noise is keyed by
-absolute position (``DraftModelDrafter`` under "token": STREAM_DRAFT at (seed, position)) re-draws positions
+absolute position (``DraftModelProposer`` under "token": STREAM_DRAFT at (seed, position)) re-draws positions
 ``positions[b] + tau + 1 .. positions[b] + k - 1`` in the next round with noise this round's decision depended on
 (with the same context - the recovered token equal to the draft it replaced - it is the very same token). Exact
 losslessness across rounds therefore needs draft noise fresh per round: under ``verify="block"`` the engine's draft
-model keys draft j by (seed, round start, ``round_stream(STREAM_DRAFT, j)``) (``DraftModelDrafter.noise_per_round``),
+model keys draft j by (seed, round start, ``round_stream(STREAM_DRAFT, j)``) (``DraftModelProposer.noise_per_round``),
 as the statistical test draws its drafts (and shows the position-keyed variant biased).
 
 NOTE (exactness): kernel and reference share every elementwise fp32 operation and every Philox uniform; the

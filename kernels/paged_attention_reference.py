@@ -224,7 +224,7 @@ def paged_attention_uniform_reference(
     Every one of the B sequences has the same number of new tokens ``q_len`` (a decode: 1; a draft step: 1; a
     chain verification window: k + 1), so the padded layout is fixed by the shapes alone: this is the attention
     of the static forward that ``torch.compile(fullgraph=True)`` traces and a CUDA graph captures
-    (``specdec/engine/cuda_graphs.py``). It computes what :func:`paged_attention_reference` computes for such a
+    (``specdec/runner/cuda_graphs.py``). It computes what :func:`paged_attention_reference` computes for such a
     batch (causal, no tree mask), always gathering the block table's whole width: the cost follows
     ``max_blocks``, not the sequences' lengths.
 

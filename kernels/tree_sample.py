@@ -1,7 +1,7 @@
 """Fused token-tree verification: lossless stochastic (recursive rejection sampling) and greedy, one program per
 request.
 
-Layout (M = all nodes of all requests, B = requests; a request's tree as in ``specdec.drafters.tree``):
+Layout (M = all nodes of all requests, B = requests; a request's tree as in ``specdec.spec_decode.tree``):
 
     node_token_ids   int64 [M]        request b owns rows cu[b]:cu[b+1]: its root (the last committed token, never
                                       read) then its n_b drafts in DFS order, siblings in the order they were drawn
@@ -506,7 +506,7 @@ def _tree_links(
     """Check the metadata values (reads them: a host sync on CUDA, so the CUDA launcher skips it) and return
     the tree links (:class:`_Links`).
 
-    Each request must be a rooted tree in DFS order (``specdec.drafters.tree.check_tree``'s rules), with drafted
+    Each request must be a rooted tree in DFS order (``specdec.spec_decode.tree.check_tree``'s rules), with drafted
     tokens in [0, V), distinct tokens among siblings and no node deeper than ``max_depth``.
     """
     if draft_probs is None and not bool(draft_is_onehot.all()):

@@ -33,7 +33,7 @@ class EngineConfig:
     prepack_weights: bool | None = None
     enable_prefix_caching: bool = True  # share cached full KV blocks of common prefixes (docs/architecture.md)
     # False: on CUDA uniform batches (decodes, draft steps, k+1 windows) replay CUDA graphs (LLMEngine.
-    # enable_static_forward, specdec/engine/cuda_graphs.py); True: every forward eager. No effect on CPU
+    # enable_static_forward, specdec/runner/cuda_graphs.py); True: every forward eager. No effect on CPU
     # (docs/architecture.md, "CUDA graphs and the static forward").
     enforce_eager: bool = False
 
@@ -155,7 +155,7 @@ class SpeculativeConfig:
         combined_lookup: the model-free drafter "combined" tries first: "prompt_lookup" or "ngram".
         adaptive: choose k per request in [0, k] from its online acceptance and the measured costs; k = 0
             switches speculation off for the request (with occasional probes).
-        cost_model: inject the costs adaptive k uses (see specdec.engine.adaptive); None = measured.
+        cost_model: inject the costs adaptive k uses (see specdec.spec_decode.adaptive); None = measured.
         verify: how sampled chains are verified: "token" (accept each draft with min(1, p/q) until the first
             rejection) or "block" (Sun et al. 2025: the block jointly; never fewer accepted tokens in expectation,
             lossless; kernels/block_verify.py). Greedy rows and model-free (one-hot) drafts are verified token-wise

@@ -62,9 +62,7 @@ class ServerThread:
         """Read on the engine loop thread: unfinished requests and free / total KV blocks of every pool (target,
         and the draft model's); unreferenced prefix-cache blocks count as free."""
         def read(engine):
-            pools = [engine.block_manager]
-            if engine.speculative is not None and engine.speculative.block_manager is not None:
-                pools.append(engine.speculative.block_manager)  # the draft model's pool
+            pools = list(engine.block_managers)  # the target's pool, then the draft model's
             return {"unfinished": engine.has_unfinished_requests(), "free": sum(p.num_free_blocks for p in pools),
                     "total": sum(p.num_blocks for p in pools), "pools": len(pools)}
 

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from specdec.engine.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
+from specdec.spec_decode.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
 
 # true costs at batch 1: a target forward of n tokens takes A + B*n seconds, one draft step C seconds
 A, B, C = 0.010, 0.0002, 0.001
@@ -47,7 +47,7 @@ def true_best_k(k_cap=4):
     {"draft_outliers": (2, 3, 4)},  # the first real draft timings too
 ], ids=["one_then_one", "burst", "draft"])
 def test_one_outlier_does_not_lock_a_k_out(outliers):
-    import specdec.engine.adaptive as adaptive
+    import specdec.spec_decode.adaptive as adaptive
 
     best = true_best_k()
     assert best == 4

@@ -25,7 +25,7 @@ import specdec
 from specdec import SamplingParams, SpeculativeConfig, ops
 from specdec.cli import build_parser, speculative_config
 from specdec.kernels import block_verify as block_verify_module
-from specdec.sampling import verify as verify_module
+from specdec.spec_decode import verify as verify_module
 
 CASES = [("penalties", 2), ("top_k_top_p", 3)]
 MAX_M = max(k for _, k in CASES) + 2
@@ -89,7 +89,7 @@ def test_draft_noise_is_keyed_by_round_only_under_block(model_dirs):  # noqa: F8
     for verify, per_round in (("block", True), ("token", False)):
         llm = specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, kv_cache_memory_gb=0.02,
                           speculative=SpeculativeConfig(draft_model=draft, num_speculative_tokens=2, verify=verify))
-        assert llm.engine.speculative.drafter.noise_per_round is per_round
+        assert llm.engine.speculative.proposer.noise_per_round is per_round
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -7,7 +7,7 @@ from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams
-from specdec.drafters.draft_model import UNKNOWN_ID_STANDIN
+from specdec.spec_decode.proposers.draft_model import UNKNOWN_ID_STANDIN
 
 TARGET_VOCAB, DRAFT_VOCAB = 300, 280
 # prompts with ids the draft lacks (>= 280); the byte tokenizer has 262 ids, so all are token-id prompts
@@ -29,7 +29,7 @@ def models(tmp_path_factory):
 
 def _spy_draft_inputs(spec, monkeypatch) -> list[int]:
     """Every token id the draft model is fed, recorded."""
-    drafter = spec.engine.speculative.drafter
+    drafter = spec.engine.speculative.proposer
     seen: list[int] = []
     forward = drafter.runner.forward
 
@@ -64,13 +64,11 @@ def test_sampling_with_penalties_runs_and_drafts_stay_in_the_draft_vocab(models,
     verify = spec.engine.speculative.verify
     drafted: list[int] = []
 
-    def spy(logits, drafts):
-        for seq in drafts.seqs:
-            drafted.extend(drafts.token_ids[seq.seq_id])
-            q = drafts.proposal.probs
-            if q is not None:
-                assert torch.all(q[:, DRAFT_VOCAB:] == 0), "q must be zero on ids the draft does not have"
-        return verify(logits, drafts)
+    def spy(logits, draft_round, meta, out):
+        drafted.extend(meta.draft_token_ids.tolist())
+        if meta.draft_probs is not None:
+            assert torch.all(meta.draft_probs[:, DRAFT_VOCAB:] == 0), "q must be zero on ids the draft does not have"
+        return verify(logits, draft_round, meta, out)
 
     monkeypatch.setattr(spec.engine.speculative, "verify", spy)
     params = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.5,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from specdec.drafters.ngram import NgramTable
-from specdec.drafters.prompt_lookup import prompt_lookup
+from specdec.spec_decode.proposers.ngram import NgramTable
+from specdec.spec_decode.proposers.prompt_lookup import prompt_lookup
 
 
 def table(tokens, **kwargs):

@@ -27,9 +27,7 @@ class Poison(RuntimeError):
 
 
 def _pools(engine):
-    pools = [engine.block_manager]
-    if engine.speculative is not None and engine.speculative.block_manager is not None:
-        pools.append(engine.speculative.block_manager)
+    pools = list(engine.block_managers)  # the target's pool, then the draft model's
     return pools
 
 
@@ -86,14 +84,14 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypat
 
     monkeypatch.setattr(engine.runner, "forward", faulty_forward)
     if engine.speculative is not None:
-        propose = engine.speculative.drafter.propose
+        propose = engine.speculative.proposer.propose
 
         def faulty_propose(seqs, ks):
             if any(is_poisoned(s, "draft") for s in seqs):
                 raise Poison("poisoned drafter")
             return propose(seqs, ks)
 
-        monkeypatch.setattr(engine.speculative.drafter, "propose", faulty_propose)
+        monkeypatch.setattr(engine.speculative.proposer, "propose", faulty_propose)
 
     ended: dict[str, str] = {}  # request id -> finish reason (each request must end exactly once)
     preemptions = [0]

@@ -7,8 +7,9 @@ no block is leaked in either pool, and the engine serves new requests afterwards
 and sampled.
 
 The faults are injected at names that exist in the engine before and after the failure-isolation rework
-(runner.forward, drafter.propose, plain_step.sample_next_tokens, speculative.verify, truncate_to,
-engine.append_text), so these tests also ran against the old step: there every faulted case fails.
+(runner.forward, proposer.propose, plain_step.sample_next_tokens, spec_decode.decoder.verify, truncate_to,
+output_processor.append_text; renamed with the round-as-data refactor), so these tests also ran against the old step:
+there every faulted case fails.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 import specdec
-import specdec.engine.engine as engine_module
+import specdec.engine.output_processor as output_processor_module
 import specdec.engine.plain_step as plain_step_module
-import specdec.engine.speculative as speculative_module
+import specdec.spec_decode.decoder as speculative_module
 from specdec import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
@@ -49,9 +50,7 @@ def engines(tiny_pair):
 
 
 def _pools(engine):
-    pools = [engine.block_manager]
-    if engine.speculative is not None and engine.speculative.block_manager is not None:
-        pools.append(engine.speculative.block_manager)
+    pools = list(engine.block_managers)  # the target's pool, then the draft model's
     return pools
 
 
@@ -107,7 +106,7 @@ def _inject(monkeypatch, engine, stage: str) -> None:
 
         monkeypatch.setattr(engine.runner, "forward", faulty_forward)
     elif stage == "draft_nan_logits":
-        drafter = engine.speculative.drafter
+        drafter = engine.speculative.proposer
         draft_forward = drafter.runner.forward
 
         def nan_draft_forward(items, input_ids=None):
@@ -120,31 +119,40 @@ def _inject(monkeypatch, engine, stage: str) -> None:
 
         monkeypatch.setattr(drafter.runner, "forward", nan_draft_forward)
     elif stage == "draft":
-        propose = engine.speculative.drafter.propose
+        propose = engine.speculative.proposer.propose
 
         def faulty_propose(seqs, ks):
             if victim_ids(seqs):
                 raise InjectedFault("drafter failed for the victim")
             return propose(seqs, ks)
 
-        monkeypatch.setattr(engine.speculative.drafter, "propose", faulty_propose)
+        monkeypatch.setattr(engine.speculative.proposer, "propose", faulty_propose)
     elif stage == "sample":
         sample = plain_step_module.sample_next_tokens
 
-        def faulty_sample(logits, params, seeds, positions, prompts, outputs, **kwargs):
-            if any(p == PROMPTS[VICTIM] for p in prompts):
+        def faulty_sample(logits, params, seeds, positions, contexts, **kwargs):
+            victims = [s.seed for s in engine.scheduler.running if _is_victim(s)]
+            if any(seed in victims for seed in seeds):
                 raise InjectedFault("sampling failed for the victim")
-            return sample(logits, params, seeds, positions, prompts, outputs, **kwargs)
+            return sample(logits, params, seeds, positions, contexts, **kwargs)
 
         monkeypatch.setattr(plain_step_module, "sample_next_tokens", faulty_sample)
     elif stage == "verify":
         verify = speculative_module.verify
 
-        def faulty_verify(logits, seqs, proposal, **kwargs):
-            if victim_ids(seqs):
+        def faulty_verify(logits, meta, sampling, out, **kwargs):
+            if victim_ids(verifying["requests"]):
                 raise InjectedFault("verification failed for the victim")
-            return verify(logits, seqs, proposal, **kwargs)
+            return verify(logits, meta, sampling, out, **kwargs)
 
+        verifying = {}
+        decoder_verify = engine.speculative.verify
+
+        def remember_requests(logits, draft_round, meta, out):  # the round's requests, for faulty_verify
+            verifying["requests"] = draft_round.requests
+            return decoder_verify(logits, draft_round, meta, out)
+
+        monkeypatch.setattr(engine.speculative, "verify", remember_requests)
         monkeypatch.setattr(speculative_module, "verify", faulty_verify)
     elif stage == "rollback":
         truncate_to = engine.block_manager.truncate_to
@@ -157,14 +165,14 @@ def _inject(monkeypatch, engine, stage: str) -> None:
 
         monkeypatch.setattr(engine.block_manager, "truncate_to", faulty_truncate_to)
     elif stage == "detokenize":
-        append_text = engine_module.append_text
+        append_text = output_processor_module.append_text
 
         def faulty_append_text(seq, tokenizer):
             if _is_victim(seq):
                 raise InjectedFault("detokenisation failed for the victim")
             return append_text(seq, tokenizer)
 
-        monkeypatch.setattr(engine_module, "append_text", faulty_append_text)
+        monkeypatch.setattr(output_processor_module, "append_text", faulty_append_text)
     else:
         raise AssertionError(stage)
 
@@ -296,7 +304,7 @@ def test_ctrl_c_inside_a_step_is_undone_and_keeps_queued_outputs(engines, monkey
     engine.step()
     gone = engine.add_request(prompt_token_ids=PROMPTS[2], params=greedy)
     engine.abort(gone)  # its output waits for the next step()
-    drafter = engine.speculative.drafter
+    drafter = engine.speculative.proposer
     draft_forward = drafter.runner.forward
     calls = {"n": 0}
 

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec
 from specdec import SamplingParams
-from specdec.engine.adaptive import FixedCostModel
+from specdec.spec_decode.adaptive import FixedCostModel
 
 K = 4
 ENGINE_BUDGET = {"plain": 1, "speculative": 1}  # host reads made by specdec/ per step (per round)
@@ -143,7 +143,7 @@ def test_a_combined_round_mixing_lookup_and_model_drafts_reads_once(tiny_pair, m
                                                                               ignore_eos=True))
         for _ in range(3):
             engine.step()
-        lookup = engine.speculative.drafter.lookup
+        lookup = engine.speculative.proposer.lookup
         propose = lookup.propose
 
         def spy(seqs, ks, propose=propose):
@@ -197,7 +197,7 @@ class _FakeCudaEvent:
 def test_adaptive_timings_wait_for_nothing_on_cuda(monkeypatch):
     """On CUDA a timed forward is a pair of events, recorded into the cost model only once the end event has
     completed (after the step's host read), never through a synchronize; on CPU at once."""
-    from specdec.engine.adaptive import ForwardTimer
+    from specdec.runner.forward_timer import ForwardTimer
 
     def no_sync(*args, **kwargs):
         raise AssertionError("the timer synchronised the device")

@@ -5,7 +5,7 @@ import torch
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.engine.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
+from specdec.spec_decode.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
 
 
 def repetitive_prompts(n, seed=0):

@@ -28,8 +28,7 @@ def prompts(n, seed=0):
 
 
 def assert_all_blocks_free(llm):
-    pools = [llm.engine.block_manager] + ([llm.engine.speculative.block_manager]
-                                          if llm.engine.speculative and llm.engine.speculative.block_manager else [])
+    pools = llm.engine.block_managers
     for bm in pools:
         bm.check_invariants()
         assert bm.num_free_blocks == bm.num_blocks

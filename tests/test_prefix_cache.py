@@ -270,11 +270,11 @@ def test_speculation_with_a_shared_prefix_gives_the_plain_tokens(tiny_pair, refe
     assert all(o.metrics["num_cached_tokens"] == 12 for o in outs[1:])
     assert sum(o.metrics["num_rounds"] for o in outs) > 0
     assert llm.engine.stats["rollback_freed_blocks"] > 0
-    for bm in filter(None, (llm.engine.block_manager, llm.engine.speculative.block_manager)):
+    for bm in llm.engine.block_managers:
         bm.check_invariants()
         assert bm.num_free_blocks == bm.num_blocks
-    if llm.engine.speculative.block_manager is not None:
-        assert llm.engine.speculative.block_manager.prefix_cache is None
+    for bm in llm.engine.block_managers[1:]:
+        assert bm.prefix_cache is None
 
 
 @pytest.mark.parametrize("speculative", [False, True])

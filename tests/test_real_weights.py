@@ -40,7 +40,7 @@ def llm(model_dir):
 
 
 def test_prompt_logits_match_transformers_gguf_loading(llm, oracle):
-    from specdec.engine.model_runner import ForwardItem
+    from specdec.runner.model_runner import ForwardItem
 
     engine = llm.engine
     for i, prompt in enumerate(PROMPTS[:2]):

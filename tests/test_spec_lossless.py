@@ -42,10 +42,10 @@ from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams
-from specdec.drafters import draft_model as draft_model_module
 from specdec.kernels import spec_sample as spec_sample_module
 from specdec.sampling import sampler as sampler_module
-from specdec.sampling import verify as verify_module
+from specdec.spec_decode import verify as verify_module
+from specdec.spec_decode.proposers import draft_model as draft_model_module
 
 VOCAB = 4
 PROMPT = [1, 2, 1]

@@ -24,7 +24,7 @@ Planted mutants (each one place, via monkeypatch) must push the statistic over t
   (a) onehot_residual_keeps_draft: after a one-hot rejection the token is drawn from p, not p with x zeroed (the
       one-hot q never subtracted, e.g. the kernel's main residual call passing onehot_token = -1);
   (b) onehot_q_read_as_zero: the one-hot flag ignored, q(x) read from the zero-filled draft_probs rows (what
-      CombinedDrafter stores for one-hot requests, or a masked load defaulting to 0 when draft_probs is None):
+      CombinedProposer stores for one-hot requests, or a masked load defaulting to 0 when draft_probs is None):
       u * 0 < p(x) accepts every draft with p(x) > 0 (a soft q(x) = p(x) taken from the wrong row does the same).
 Both only touch one-hot rows, so for "combined" they prove the one-hot rows of mixed batches are what is tested.
 On CPU the op is the torch reference (specdec.kernels.spec_sample.spec_sample_reference).
@@ -49,7 +49,7 @@ from test_spec_lossless import (  # noqa: F401 - model_dirs: the module's fixtur
 
 import specdec
 from specdec.kernels import spec_sample as spec_sample_module
-from specdec.sampling import verify as verify_module
+from specdec.spec_decode import verify as verify_module
 
 PROMPT = [1, 1, 1, 0, 3, 1, 1, 1, 0, 3, 1]
 N = 3000  # requests per run of the true engine

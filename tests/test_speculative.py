@@ -43,7 +43,7 @@ def test_greedy_parity_with_plain_decoding(pair, plain, k, batch):
                           for o in outs if o.metrics["alpha"])
     assert 0 < rejected_rounds < rounds  # some rounds all accepted, some rejected
     assert llm.engine.stats["rollback_freed_blocks"] > 0
-    for bm in (llm.engine.block_manager, llm.engine.speculative.block_manager):
+    for bm in llm.engine.block_managers:
         assert bm.num_free_blocks == bm.num_blocks
         bm.check_invariants()
 
@@ -117,7 +117,7 @@ def test_pool_pressure_with_speculation(pair, plain):
                                                                              ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
-    for bm in (llm.engine.block_manager, llm.engine.speculative.block_manager):
+    for bm in llm.engine.block_managers:
         assert bm.num_free_blocks == bm.num_blocks
 
 

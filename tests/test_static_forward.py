@@ -5,7 +5,7 @@
 - the model forward with ``uniform_q_len`` passes ``torch.compile(fullgraph=True)``, matches eager, and a call
   with other seq_lens / block tables / tokens of the same shapes does not recompile - the structural proof that
   the forward a CUDA graph captures reads nothing on the host;
-- ``StaticForwardRunner`` (specdec/engine/cuda_graphs.py): buckets, padding rows that touch only the scratch
+- ``StaticForwardRunner`` (specdec/runner/cuda_graphs.py): buckets, padding rows that touch only the scratch
   block, rows of a previous larger batch reset, fallbacks.
 """
 
@@ -17,12 +17,12 @@ from tiny_models import make_tiny_model
 
 from specdec import ops
 from specdec.cache.block_manager import BlockManager
-from specdec.engine.cuda_graphs import BucketKey, StaticForwardRunner, reserve_scratch_block
 from specdec.kernels.paged_attention import launch_plan, paged_attention_uniform
 from specdec.kernels.paged_attention_reference import paged_attention_reference, paged_attention_uniform_reference
 from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
 from specdec.model.loader import load_model
+from specdec.runner.cuda_graphs import BucketKey, StaticForwardRunner, reserve_scratch_block
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -300,7 +300,7 @@ def test_a_smaller_batch_resets_the_rows_of_a_previous_larger_one(tiny):
 def test_uniform_q_len_and_the_engine_mode():
     from types import SimpleNamespace as Item
 
-    from specdec.engine.cuda_graphs import static_forward_mode, uniform_q_len
+    from specdec.runner.cuda_graphs import static_forward_mode, uniform_q_len
 
     def item(n, mask=None, positions=None):
         return Item(token_ids=[1] * n, mask=mask, positions=positions)

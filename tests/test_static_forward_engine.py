@@ -9,7 +9,7 @@ import torch
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.engine.cuda_graphs import SCRATCH_SEQ_ID
+from specdec.runner.cuda_graphs import SCRATCH_SEQ_ID
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=7)
@@ -51,10 +51,10 @@ def test_speculative_engine_static_equals_eager(pair):
     engine = llm(*pair)
     outs = engine.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert tokens(outs) == ref
-    target, draft = engine.engine.runner.static, engine.engine.speculative._model_drafter.runner.static
+    target, draft = engine.engine.runner.static, engine.engine.speculative.draft_model.runner.static
     assert draft.num_replays > 0  # one-token draft steps
     assert any(key.q_len > 1 for key in target._batches)  # chain windows of one length for the whole batch
-    for bm in (engine.engine.block_manager, engine.engine.speculative.block_manager):
+    for bm in engine.engine.block_managers:
         bm.check_invariants()
         # every request's blocks came back; only the scratch block stays taken, by its pseudo-sequence
         assert bm.num_free_blocks == bm.num_blocks - 1 and bm.has_seq(SCRATCH_SEQ_ID)

@@ -74,7 +74,7 @@ def test_streaming_never_shows_partial_utf8():
     seq = _seq()
     shown = []
     for t in [0, 1, 2, 3, 4]:
-        seq.output_token_ids.append(t)
+        seq.append_token(t)
         append_text(seq, tok)
         shown.append(seq.output_text[: seq.stable_text_len])
     assert shown == ["a", "a", "a", "a€", "a€b"]
@@ -84,14 +84,16 @@ def test_streaming_never_shows_partial_utf8():
 def test_streaming_holds_back_a_possible_stop_prefix_and_cuts_at_the_stop():
     tok = _FakeTokenizer({0: b"x", 1: b"EN", 2: b"D", 3: b"y", 4: b"E"})
     seq = _seq(stop=["END"])
-    seq.output_token_ids += [0, 1]
+    for t in (0, 1):
+        seq.append_token(t)
     assert not append_text(seq, tok)
     assert seq.output_text[: seq.stable_text_len] == "x"  # "EN" could begin "END"
-    seq.output_token_ids.append(2)
+    seq.append_token(2)
     assert append_text(seq, tok)
     assert seq.output_text == "x"
     seq2 = _seq(stop=["END"])
-    seq2.output_token_ids += [0, 4, 3]
+    for t in (0, 4, 3):
+        seq2.append_token(t)
     assert not append_text(seq2, tok) and seq2.output_text[: seq2.stable_text_len] == "xEy"
     assert _held_back("abcE", ("END", "Ex")) == 1 and _held_back("abc", ("END",)) == 0
 

@@ -1,5 +1,5 @@
 """The incremental token history (engine/token_history.py) and the sparse penalty context built from it match the
-from-lists constructions they replace: on random histories, after appends, truncations and reassignments."""
+from-lists constructions they replace, on random histories; appending is the only way a request's tokens change."""
 
 import random
 from collections import Counter
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.engine.sequence import Sequence
-from specdec.engine.token_history import DerivedTokens, TokenHistory
+from specdec.engine.token_history import TokenHistory
 from specdec.kernels.philox import STREAM_SAMPLE
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
@@ -60,134 +60,81 @@ def check_history(seq, prompt, output):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_history_matches_the_lists_through_random_edits(seed):
+def test_history_matches_the_lists_through_random_appends(seed):
     rng = random.Random(seed)
     vocab = rng.choice([5, 50, 1000])
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
     output: list[int] = []
     seq = make_seq(prompt)
     check_history(seq, prompt, output)
-    for _ in range(120):
-        op = rng.random()
-        if op < 0.55:  # the engine's way: one token at a time (past the buffers' initial capacity)
-            t = rng.randrange(vocab)
-            seq.output_token_ids.append(t)
-            output.append(t)
-        elif op < 0.7:
-            extra = [rng.randrange(vocab) for _ in range(rng.randrange(4))]
-            seq.output_token_ids += extra
-            output += extra
-        elif op < 0.78:  # truncation, as after a rollback of emitted tokens
-            n = rng.randrange(len(output) + 1)
-            del seq.output_token_ids[n:]
-            del output[n:]
-        elif op < 0.84 and output:
-            i = rng.randrange(len(output))
-            seq.output_token_ids[i] = output[i] = rng.randrange(vocab)
-        elif op < 0.88 and output:
-            assert seq.output_token_ids.pop() == output.pop()
-        elif op < 0.94:  # reassignment (tests and replays do this)
-            output = [rng.randrange(vocab) for _ in range(rng.randrange(10))]
-            seq.output_token_ids = list(output)
-        else:  # the prompt changes (preempted and re-prompted): rebuilt from both lists
-            t = rng.randrange(vocab)
-            seq.prompt_token_ids.append(t)
-            prompt.append(t)
+    for _ in range(120):  # one token at a time, past the buffers' initial capacity
+        t = rng.randrange(vocab)
+        seq.append_token(t)
+        output.append(t)
         check_history(seq, prompt, output)
 
 
-def test_all_token_ids_is_read_only_and_views_do_not_alias_other_requests():
+def test_token_lists_are_read_only_and_views_do_not_alias_other_requests():
     a, b = make_seq([1, 2, 3]), make_seq([1, 2, 3], seq_id=1)
-    with pytest.raises(TypeError, match="read-only"):
-        a.all_token_ids.append(4)
+    for tokens in (a.all_token_ids, a.output_token_ids, a.prompt_token_ids):
+        with pytest.raises(TypeError, match="read-only"):
+            tokens.append(4)
+        with pytest.raises(TypeError, match="read-only"):
+            tokens += [4]
+    with pytest.raises(AttributeError):
+        a.output_token_ids = [7]  # no setter: a request's tokens only grow through append_token
     with pytest.raises(ValueError):
         a.token_array[0] = 9  # numpy: read-only view
-    a.output_token_ids.append(7)
-    assert b.all_token_ids == [1, 2, 3] and a.all_token_ids == [1, 2, 3, 7]
+    a.append_token(7)
+    assert b.all_token_ids == [1, 2, 3] and a.all_token_ids == [1, 2, 3, 7] and a.output_token_ids == [7]
     snapshot = list(a.all_token_ids)
-    a.output_token_ids.append(8)
+    a.append_token(8)
     assert snapshot == [1, 2, 3, 7]
 
 
-def test_a_replaced_list_no_longer_feeds_the_history_and_plus_equals_does_not_rebuild():
-    seq = make_seq([1, 2])
-    old = seq.output_token_ids
-    old.append(3)
-    seq.output_token_ids = [7]
-    old.append(4)  # a list the sequence no longer owns
-    old += [5]
-    del old[0]
-    check_history(seq, [1, 2], [7])
-    assert old == [4, 5] and old.penalty_source() is None
-    version = seq.history.version
-    seq.output_token_ids += [8, 8]
-    assert seq.history.version == version  # appended, not rebuilt
-    check_history(seq, [1, 2], [7, 8, 8])
-
-
-def test_output_plus_drafts_uses_the_history_only_while_it_is_exact():
+def test_penalty_counts_with_drafts_add_the_drafts_to_the_output_counts():
     seq = make_seq([4, 5, 4])
-    seq.output_token_ids += [5, 6]
-    derived = seq.output_token_ids + [6, 9, 9]
-    assert isinstance(derived, DerivedTokens) and derived == [5, 6, 6, 9, 9]
-    h, extra = derived.penalty_source()
-    assert h is seq.history and extra == [6, 9, 9]
-    seq.output_token_ids.append(1)  # the history moved on: the derived list is no longer its output + extras
-    assert derived.penalty_source() is None
-    derived2 = seq.output_token_ids + [2]
-    derived2.append(3)  # changed in place: forgotten
-    assert derived2.penalty_source() is None
-    assert seq.prompt_token_ids + [1] == [4, 5, 4, 1] and not isinstance(seq.prompt_token_ids + [1], DerivedTokens)
+    for t in (5, 6):
+        seq.append_token(t)
+    ids, counts = seq.penalty_counts([6, 9, 9])
+    assert dict(zip(ids.tolist(), counts.tolist())) == {4: 0, 5: 1, 6: 2, 9: 2}
+    ids, counts = seq.penalty_counts()
+    assert dict(zip(ids.tolist(), counts.tolist())) == {4: 0, 5: 1, 6: 1}  # the drafts were not kept
 
 
 def random_rows(rng, vocab, num_rows):
-    """(prompts, outputs) per row: sequence lists, output + drafts, stale derived lists and plain lists mixed."""
-    prompts, outputs = [], []
+    """(prompts, outputs, contexts) per row: a sequence's output, or its output + drafts; the context from its
+    history (``Sequence.penalty_counts``), or counted from the lists (``row_counts``)."""
+    prompts, outputs, contexts = [], [], []
     for _ in range(num_rows):
         seq = make_seq([rng.randrange(vocab) for _ in range(rng.randrange(1, 30))], seq_id=rng.randrange(99))
         for _ in range(rng.randrange(40)):
-            seq.output_token_ids.append(rng.randrange(vocab))
-        kind = rng.randrange(4)
-        drafts = [rng.randrange(vocab) for _ in range(rng.randrange(5))]
-        if kind == 0:
-            prompts.append(seq.prompt_token_ids)
-            outputs.append(seq.output_token_ids)
-        elif kind == 1:
-            prompts.append(seq.prompt_token_ids)
-            outputs.append(seq.output_token_ids + drafts)
-        elif kind == 2:  # a derived list gone stale (the history grew after it was made)
-            derived = seq.output_token_ids + drafts
-            seq.output_token_ids.append(rng.randrange(vocab))
-            prompts.append(seq.prompt_token_ids)
-            outputs.append(derived)
-        else:
-            prompts.append(list(seq.prompt_token_ids))
-            outputs.append(list(seq.output_token_ids) + drafts)
-    return prompts, outputs
+            seq.append_token(rng.randrange(vocab))
+        drafts = [rng.randrange(vocab) for _ in range(rng.randrange(5))] if rng.random() < 0.5 else []
+        prompts.append(list(seq.prompt_token_ids))
+        outputs.append(list(seq.output_token_ids) + drafts)
+        contexts.append(seq.penalty_counts(drafts) if rng.random() < 0.7 else row_counts(prompts[-1], outputs[-1]))
+    return prompts, outputs, contexts
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_sparse_context_matches_the_dense_from_lists_one(seed):
     rng = random.Random(seed)
     vocab = rng.choice([7, 64, 3000])
-    prompts, outputs = random_rows(rng, vocab, rng.randrange(1, 9))
-    want_seen, want_counts = old_penalty_context([list(p) for p in prompts], [list(o) for o in outputs], vocab)
-    seen, counts = penalty_context(prompts, outputs, vocab, "cpu")
+    prompts, outputs, contexts = random_rows(rng, vocab, rng.randrange(1, 9))
+    want_seen, want_counts = old_penalty_context(prompts, outputs, vocab)
+    seen, counts = penalty_context(contexts, vocab, "cpu")
     assert torch.equal(seen, want_seen) and torch.equal(counts, want_counts)
-    pr = penalty_rows(prompts, outputs, vocab, "cpu")
+    pr = penalty_rows(contexts, vocab, "cpu")
     pairs = list(zip(pr.rows.tolist(), pr.tokens.tolist()))
     assert len(set(pairs)) == len(pairs)  # each (row, token) once: a plain scatter is exact
     assert seen.sum().item() == len(pairs)
 
 
 def test_tokens_beyond_the_vocabulary_get_no_entry():
-    ids, counts = row_counts([1, 9, 2], [9, 3, 12], vocab_size=10)
-    assert dict(zip(ids.tolist(), counts.tolist())) == {1: 0, 2: 0, 3: 1, 9: 1}
-
-
-def test_penalty_rows_refuses_mismatched_lists():
-    with pytest.raises(ValueError, match="one output list per prompt"):
-        penalty_rows([[1]], [], 10, "cpu")
+    pr = penalty_rows([row_counts([1, 9, 2], [9, 3, 12]), None], 10, "cpu")
+    assert pr.rows.tolist() == [0, 0, 0, 0]  # the row without penalties has none
+    assert dict(zip(pr.tokens.tolist(), pr.counts.tolist())) == {1: 0, 2: 0, 3: 1, 9: 1}
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -195,7 +142,7 @@ def test_sparse_penalties_equal_the_dense_ones_bitwise(seed):
     rng = random.Random(seed)
     vocab = rng.choice([11, 300])
     num_rows = rng.randrange(1, 7)
-    prompts, outputs = random_rows(rng, vocab, num_rows)
+    prompts, outputs, contexts = random_rows(rng, vocab, num_rows)
     params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.3]), repetition_penalty=rng.choice([1, 0.8, 1.3]),
                              presence_penalty=rng.choice([0, -1.5, 0.4]), frequency_penalty=rng.choice([0, 1.1, -0.3]))
               for _ in range(num_rows)]
@@ -204,17 +151,17 @@ def test_sparse_penalties_equal_the_dense_ones_bitwise(seed):
     logits = torch.randn(num_rows, vocab, generator=gen) * 3
     logits[:, ::5] = 0.0  # zeros: neither branch of the repetition penalty changes them
     st = SamplingTensors.from_params(params, "cpu")
-    seen, counts = old_penalty_context([list(p) for p in prompts], [list(o) for o in outputs], vocab)
+    seen, counts = old_penalty_context(prompts, outputs, vocab)
     want = apply_penalties(logits, seen, counts, st)
     raw = logits.clone()
-    pr = penalty_rows(prompts, outputs, vocab, "cpu", [p.has_penalties for p in params])
+    pr = penalty_rows([c if p.has_penalties else None for p, c in zip(params, contexts)], vocab, "cpu")
     got = apply_penalty_rows(logits, pr, st)
     assert torch.equal(logits, raw)  # the raw logits (logprobs read them) are untouched
     assert torch.equal(got, want)
     # and the sampler: the same tokens as the from-lists path
     seeds = [rng.randrange(2**63) for _ in range(num_rows)]
     positions = [rng.randrange(5000) for _ in range(num_rows)]
-    tokens, _ = sample_rows(logits, params, seeds, positions, prompts, outputs, STREAM_SAMPLE)
+    tokens, _ = sample_rows(logits, params, seeds, positions, contexts, STREAM_SAMPLE)
     probs = standardize(want, st)
     drawn = sample_from_probs(probs, torch.tensor(seeds), torch.tensor(positions), STREAM_SAMPLE)
     assert tokens.tolist() == torch.where(st.temperature == 0, want.argmax(-1), drawn).tolist()
@@ -237,10 +184,11 @@ def test_sampling_tensors_are_the_per_column_ones():
 
 def test_metadata_checks_row_counts_and_skips_what_greedy_rows_do_not_need():
     greedy = [SamplingParams(temperature=0)] * 2
-    meta = SamplingMetadata.build(greedy, [1, 2], [3, 4], [[1], [2]], [[], []], 10, "cpu")
+    contexts = [row_counts([1], []), row_counts([2], [])]
+    meta = SamplingMetadata.build(greedy, [1, 2], [3, 4], contexts, 10, "cpu")
     assert meta.seeds is None and meta.penalties is None and meta.num_rows == 2
     with pytest.raises(ValueError, match="positions"):
-        SamplingMetadata.build(greedy, [1, 2], [3], [[1], [2]], [[], []], 10, "cpu")
+        SamplingMetadata.build(greedy, [1, 2], [3], contexts, 10, "cpu")
 
 
 def test_history_grows_past_its_initial_capacity_without_losing_tokens():

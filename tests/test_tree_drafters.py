@@ -12,14 +12,19 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.drafters import prompt_lookup as prompt_lookup_module
-from specdec.drafters.base import DraftProposal
-from specdec.drafters.combined import CombinedDrafter
-from specdec.drafters.ngram import NgramDrafter, NgramTable
-from specdec.drafters.prompt_lookup import PromptLookupDrafter, lookup_matches, prompt_lookup, prompt_lookup_tree
-from specdec.drafters.tree import DraftTree
-from specdec.engine.sequence import Sequence, Status
+from specdec.engine.sequence import Sequence
 from specdec.sampling.params import SamplingParams
+from specdec.spec_decode.proposers import prompt_lookup as prompt_lookup_module
+from specdec.spec_decode.proposers.base import DraftProposal
+from specdec.spec_decode.proposers.combined import CombinedProposer
+from specdec.spec_decode.proposers.ngram import NgramProposer, NgramTable
+from specdec.spec_decode.proposers.prompt_lookup import (
+    PromptLookupProposer,
+    lookup_matches,
+    prompt_lookup,
+    prompt_lookup_tree,
+)
+from specdec.spec_decode.tree import DraftTree
 
 
 def streams(n, seed=0):
@@ -165,19 +170,19 @@ def test_lookup_matches_vectorised_and_python_agree(seed):
 
 
 def test_drafter_keeps_its_array_in_step_with_the_request():
-    drafter = PromptLookupDrafter(1, 3)
+    drafter = PromptLookupProposer(1, 3)
     text = streams(1, seed=5)[0] * 3
     s = seq(text[:5])
     for n in range(5, len(text)):
-        s.output_token_ids = text[5:n]
+        if n > 5:
+            s.append_token(text[n - 1])
         assert drafter.propose([s], [3]).token_ids[0] == prompt_lookup(text[:n], 3, 1, 3)
         tree = drafter.propose_tree([s], [3], [6]).trees[0]
         assert tree == prompt_lookup_tree(text[:n], 3, 6, 1, 3)
     # the same seq id, another (longer) request: its own text, not the old one's prefix
     other = seq(list(range(100, 100 + len(text))) + [100], seq_id=0)
     assert drafter.propose([other], [2]).token_ids[0] == [101, 102]
-    other.status = Status.FINISHED
-    drafter.free(other)  # nothing to drop: the text lives in the sequence's own history
+    drafter.free(other.seq_id, finished=True)  # nothing to drop: the text lives in the sequence's own history
     assert drafter.propose([s], [3]).token_ids[0] == prompt_lookup(s.all_token_ids, 3, 1, 3)
 
 
@@ -291,11 +296,11 @@ def test_without_keep_chain_the_budget_goes_to_the_most_probable_nodes():
     assert table.predict(2) == [2, 7]
     assert table.predict_tree(2, 2).token_ids == (0, 2, 7)
     assert table.predict_tree(2, 2, keep_chain=False).token_ids == (0, 2, 1)
-    assert NgramDrafter(2, 2, keep_chain=False).propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
+    assert NgramProposer(2, 2, keep_chain=False).propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
     # prompt lookup: after 0 come 1 5, 1 5, 2 6, 2 7 (the latest match: the chain 2 7)
     assert prompt_lookup_tree(stream, 2, 2, 1, 1).token_ids == (0, 2, 7)
     assert prompt_lookup_tree(stream, 2, 2, 1, 1, keep_chain=False).token_ids == (0, 2, 1)
-    drafter = PromptLookupDrafter(1, 1, keep_chain=False)
+    drafter = PromptLookupProposer(1, 1, keep_chain=False)
     assert drafter.propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
 
 
@@ -304,7 +309,7 @@ def seq(tokens, seq_id=0):
     return Sequence(seq_id, f"r{seq_id}", None, list(tokens), SamplingParams(), 0, frozenset())
 
 
-@pytest.mark.parametrize("make", [PromptLookupDrafter, NgramDrafter])
+@pytest.mark.parametrize("make", [PromptLookupProposer, NgramProposer])
 def test_propose_tree_proposal(make):
     drafter = make()
     seqs = [seq(t, i) for i, t in enumerate(streams(6, seed=3))]
@@ -319,7 +324,7 @@ def test_propose_tree_proposal(make):
     assert again.trees == proposal.trees and again.token_ids == proposal.token_ids  # deterministic
 
 
-@pytest.mark.parametrize("make", [PromptLookupDrafter, NgramDrafter])
+@pytest.mark.parametrize("make", [PromptLookupProposer, NgramProposer])
 def test_tree_accepts_at_least_the_chain(make):
     """Greedy tree verification against the stream's true continuation never accepts fewer than the chain."""
     gained = 0
@@ -337,7 +342,7 @@ def test_tree_accepts_at_least_the_chain(make):
     assert gained > 0  # the extra candidates do get accepted sometimes
 
 
-@pytest.mark.parametrize("make", [PromptLookupDrafter, NgramDrafter])
+@pytest.mark.parametrize("make", [PromptLookupProposer, NgramProposer])
 @pytest.mark.parametrize("depths,budgets,match", [
     ([4], [4, 4], "one max_depth and one max_nodes per request"),
     ([4, 4], [4], "one max_depth and one max_nodes per request"),
@@ -349,7 +354,7 @@ def test_bad_budgets_are_rejected(make, depths, budgets, match):
         make().propose_tree([seq([1, 2, 1, 2]), seq([3, 3, 3], 1)], depths, budgets)
 
 
-@pytest.mark.parametrize("make", [PromptLookupDrafter, NgramDrafter])
+@pytest.mark.parametrize("make", [PromptLookupProposer, NgramProposer])
 def test_numpy_budgets_are_accepted_and_bools_are_not(make):
     seqs = [seq([1, 2, 1, 2])]
     assert make().propose_tree(seqs, [np.int64(2)], [np.int32(2)]).trees[0].num_drafts == 2
@@ -359,7 +364,7 @@ def test_numpy_budgets_are_accepted_and_bools_are_not(make):
 
 def test_prompt_lookup_needs_a_match_to_merge():
     with pytest.raises(ValueError, match="max_matches"):
-        PromptLookupDrafter(max_matches=0)
+        PromptLookupProposer(max_matches=0)
 
 
 # --- combined: the lookup's tree, the draft model's chain (as a tree, with q rows per node) for misses ------
@@ -380,9 +385,9 @@ class FakeDraftModel:
 
 def test_combined_forwards_trees_and_falls_back_to_the_draft_model():
     hit, miss = seq([1, 2, 3, 1, 2, 4, 1, 2], 0), seq([5, 6], 1)
-    drafter = CombinedDrafter(PromptLookupDrafter(), FakeDraftModel())
+    drafter = CombinedProposer(PromptLookupProposer(), FakeDraftModel())
     proposal = drafter.propose_tree([hit, miss], [2, 3], [4, 2])
-    lookup = PromptLookupDrafter().propose_tree([hit], [2], [4]).trees[0]
+    lookup = PromptLookupProposer().propose_tree([hit], [2], [4]).trees[0]
     assert proposal.trees[0] == lookup and proposal.trees[1] == DraftTree.chain(6, [7, 7])
     assert proposal.is_onehot == [True, False] and proposal.draft_forwards == [0, 2]
     assert proposal.token_ids == [list(lookup.token_ids[1:]), [7, 7]]
@@ -404,9 +409,9 @@ class FakeTreeDraftModel(FakeDraftModel):
 
 def test_combined_takes_the_draft_models_trees_for_misses():
     miss, hit, miss2 = seq([5, 6], 0), seq([1, 2, 3, 1, 2], 1), seq([4], 2)
-    proposal = CombinedDrafter(PromptLookupDrafter(), FakeTreeDraftModel()).propose_tree(
+    proposal = CombinedProposer(PromptLookupProposer(), FakeTreeDraftModel()).propose_tree(
         [miss, hit, miss2], [3, 3, 3], [4, 4, 4])
-    lookup = PromptLookupDrafter().propose_tree([hit], [3], [4]).trees[0]
+    lookup = PromptLookupProposer().propose_tree([hit], [3], [4]).trees[0]
     assert lookup.num_drafts > 0
     assert proposal.trees[1] == lookup
     assert [t.token_ids for t in (proposal.trees[0], proposal.trees[2])] == [(6, 7, 8, 9), (4, 7, 8, 9)]
@@ -417,5 +422,5 @@ def test_combined_takes_the_draft_models_trees_for_misses():
 
 def test_combined_without_misses_is_the_lookups_proposal():
     hit = seq([1, 2, 3, 1, 2], 0)
-    proposal = CombinedDrafter(PromptLookupDrafter(), FakeTreeDraftModel()).propose_tree([hit], [3], [4])
-    assert proposal.trees == PromptLookupDrafter().propose_tree([hit], [3], [4]).trees and proposal.probs is None
+    proposal = CombinedProposer(PromptLookupProposer(), FakeTreeDraftModel()).propose_tree([hit], [3], [4])
+    assert proposal.trees == PromptLookupProposer().propose_tree([hit], [3], [4]).trees and proposal.probs is None

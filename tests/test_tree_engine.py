@@ -26,9 +26,7 @@ def tree_llm(target, spec: SpeculativeConfig, **kwargs):
 
 
 def assert_no_leak(llm):
-    pools = [llm.engine.block_manager]
-    if llm.engine.speculative.block_manager is not None:
-        pools.append(llm.engine.speculative.block_manager)
+    pools = list(llm.engine.block_managers)  # the target's pool, then the draft model's
     for bm in pools:
         bm.check_invariants()
         assert bm.num_free_blocks == bm.num_blocks
@@ -101,13 +99,13 @@ def test_large_batches_draft_chains(tiny_pair, tiny_pair_plain):
                              tree_max_batch_size=2)
     llm = tree_llm(tiny_pair[0], spec, max_num_seqs=4)
     seen = []
-    original = llm.engine.speculative.drafter.propose_tree
+    original = llm.engine.speculative.proposer.propose_tree
 
     def spy(seqs, *args):
         seen.append(len(seqs))
         return original(seqs, *args)
 
-    llm.engine.speculative.drafter.propose_tree = spy
+    llm.engine.speculative.proposer.propose_tree = spy
     outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert seen and max(seen) <= 2  # trees only in steps with <= 2 running requests
@@ -157,21 +155,20 @@ def test_self_speculation_with_trees_accepts_every_level(tiny_pair, params):
 def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypatch):
     """A fault in one request's tree verification ends that request with "error"; the others produce the
     target-only greedy tokens and every block returns to both pools."""
-    from specdec.engine import speculative as speculative_module
-
     ps = prompts(4, seed=14)
     ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
     llm = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3,
                                                    tree=[2, 1, 1]), max_num_seqs=4)
     victim = ps[2]
-    real = speculative_module.verify_trees
+    real = llm.engine.speculative.verify
 
-    def faulty(logits, seqs, proposal, **kwargs):
-        if any(s.prompt_token_ids == victim and len(s.output_token_ids) >= 3 for s in seqs):
+    def faulty(logits, draft_round, meta, out):
+        assert meta.trees is not None, "a chain round: the test would prove nothing about trees"
+        if any(s.prompt_token_ids == victim and len(s.output_token_ids) >= 3 for s in draft_round.requests):
             raise RuntimeError("tree verification failed for the victim")
-        return real(logits, seqs, proposal, **kwargs)
+        return real(logits, draft_round, meta, out)
 
-    monkeypatch.setattr(speculative_module, "verify_trees", faulty)
+    monkeypatch.setattr(llm.engine.speculative, "verify", faulty)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert outs[2].outputs[0].finish_reason == "error" and "victim" in outs[2].error
     assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == [r for i, r in enumerate(ref) if i != 2]

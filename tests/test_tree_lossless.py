@@ -18,7 +18,7 @@ import torch
 from test_spec_lossless import CONFIGS, N_MUTANT, PROMPT, N, check, exact_joint, model_dirs, run, target_prefix_logits  # noqa: F401
 
 import specdec
-from specdec.drafters import draft_tree as draft_tree_module
+from specdec.spec_decode.proposers import draft_tree as draft_tree_module
 
 # (name, config, tree, depth): m = depth + 2 tokens per request
 CASES = [

@@ -73,7 +73,7 @@ def engines(target: str, draft: str, dtype: str, max_model_len: int, max_batch: 
 
 
 def draft_model_of(spec: specdec.LLM):
-    drafter = spec.engine.speculative.drafter
+    drafter = spec.engine.speculative.proposer
     return drafter.runner.model, drafter.config
 
 

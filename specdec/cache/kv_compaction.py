@@ -1,6 +1,6 @@
 """Where the accepted path of a draft tree moves in the KV cache after verification.
 
-A tree's node i was written at logical position ``ctx + i`` (DFS order, ``specdec.drafters.tree``). After
+A tree's node i was written at logical position ``ctx + i`` (DFS order, ``specdec.spec_decode.tree``). After
 verification the accepted path - nodes ``accepted_nodes[0], accepted_nodes[1], ...`` at depths 1, 2, ... - must
 sit at ``ctx + 1, ctx + 2, ...``, right after the root, as if it had been a chain. ``compaction_slots`` lists the
 flat cache slots of those moves for one request; the engine concatenates every request's lists into the int64

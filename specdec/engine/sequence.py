@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import InitVar, dataclass, field, fields
 
 import numpy as np
 
-from specdec.engine.token_history import TokenHistory, TokenList
+from specdec.engine.token_history import TokenHistory
 from specdec.sampling.params import SamplingParams
-
-_TOKEN_FIELDS = ("prompt_token_ids", "output_token_ids")
 
 
 class Status(enum.Enum):
@@ -42,6 +40,22 @@ class RequestMetrics:
     accepted_per_position: list[int] = field(default_factory=list)  # [k_max] accepted draft i
     drafted_per_position: list[int] = field(default_factory=list)  # [k_max] drafted draft i
     k_per_step: list[int] = field(default_factory=list)  # speculation length granted at each decode step
+
+    def record_round(self, drafted: int, accepted: int, emitted: int) -> None:
+        """A verification round: ``drafted`` drafts (a tree: its depth), the first ``accepted`` accepted, ``emitted``
+        tokens kept after stop truncation (accepted + correction or bonus, at most)."""
+        self.num_rounds += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        self.num_rejected_rounds += accepted < drafted
+        self.num_round_tokens += emitted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -117,23 +131,23 @@ class RequestMetrics:
 class Sequence:
     """One request (one sample of it when ``n > 1``) as the engine sees it.
 
-    ``prompt_token_ids`` / ``output_token_ids`` are lists (:class:`TokenList`) kept in step with ``history``, a
-    :class:`TokenHistory` updated per appended token: ``all_token_ids``, ``token_array`` and the penalty counts
-    read it in O(1) instead of rebuilding prompt + output. Assigning either list (the sequence keeps a copy), or
-    changing one other than by appending, rebuilds the history (O(length)).
+    Its tokens live in a :class:`TokenHistory`: ``prompt_token_ids``, ``output_token_ids`` and ``all_token_ids``
+    are read-only lists that grow with it, ``token_array`` the same as int64, and ``penalty_counts`` the distinct
+    tokens with their output counts - all O(1) or O(distinct) to read. :meth:`append_token` is the only way a
+    token is added. A ``Sequence`` is a ``RequestView`` (specdec/spec_decode/request.py): what proposers and
+    verification read of a request.
     """
 
     seq_id: int
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_ids: InitVar[list[int]]
     params: SamplingParams
     seed: int  # the request's randomness key (docs/architecture.md, randomness contract)
     eos_token_ids: frozenset[int]
     status: Status = Status.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the target cache
-    lookahead: int = 0  # extra slots the scheduler granted this step (= speculation length k)
+    lookahead: int = 0  # extra slots the scheduler granted this step (the speculation budget: chain length or nodes)
     finish_reason: str | None = None
     error: str | None = None  # why the request failed (finish_reason "error")
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -150,27 +164,22 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
 
-    def __post_init__(self) -> None:
-        self.history = TokenHistory(self.prompt_token_ids, self.output_token_ids)
-        self._wrap_token_lists()
+    def __post_init__(self, prompt_ids: list[int]) -> None:
+        self.history = TokenHistory(prompt_ids)
 
-    def __setattr__(self, name: str, value) -> None:
-        if name not in _TOKEN_FIELDS or "history" not in self.__dict__:
-            object.__setattr__(self, name, value)
-            return
-        old = self.__dict__[name]
-        if value is old:  # `seq.output_token_ids += [...]` assigns the list to itself: already in step
-            return
-        old.history = None  # the replaced list no longer feeds this sequence's history
-        object.__setattr__(self, name, value)
-        self.history.reset(self.prompt_token_ids, self.output_token_ids)  # a new list: rebuild from it
-        self._wrap_token_lists()
+    def append_token(self, token: int) -> None:
+        """Add one generated token (O(1) amortised): the output, the history buffer and the penalty counts."""
+        self.history.append(token)
 
-    def _wrap_token_lists(self) -> None:
-        for name, is_output in zip(_TOKEN_FIELDS, (False, True)):
-            tokens = self.__dict__[name]
-            if not (isinstance(tokens, TokenList) and tokens.history is self.history):
-                self.__dict__[name] = TokenList(tokens, self.history, is_output)
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt (read-only)."""
+        return self.history.prompt
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens so far (read-only; grows with :meth:`append_token`)."""
+        return self.history.output
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -182,9 +191,14 @@ class Sequence:
         """prompt + output as int64 ``[num_tokens]`` (a read-only view, valid until the next token is added)."""
         return self.history.array
 
+    def penalty_counts(self, extra: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The penalty context of the position after output + ``extra`` (drafts before a draft position):
+        ``(ids int64 [D], counts int32 [D])``, each distinct token once with its count in output + ``extra``."""
+        return self.history.penalty_counts(extra)
+
     @property
     def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+        return self.history.tokens[-1]
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,20 @@
 """One engine step, computed without changing any request: (draft) -> one ragged target forward -> sample / verify.
 
 This is the one code path of a step, plain or speculative: a plain engine is a speculative one whose requests
-never draft. ``compute_step`` returns a :class:`RequestUpdate` per request and mutates no ``Sequence`` (the draft
-model's cache is written, but the drafter's view of it is undone by ``undo_step``), so a step that raises can be
-retried on a smaller batch or dropped: ``LLMEngine`` applies the updates in its commit phase, request by
-request. That split is what failure isolation rests on (docs/architecture.md, "Failure isolation").
+never draft. The round as data (docs/architecture.md, "One step"):
+
+    SpeculativeDecoder.draft      -> DraftRound          which requests verify, their DraftProposal
+    the forward's layout          -> ForwardItems        one per request: a plain chunk or a verification window
+    SpeculativeDecoder.metadata   -> SpecDecodeMetadata  built once: offsets, drafts, trees - on the device
+    ModelRunner.forward           -> logits [R, V]
+    sample_plain / verify         -> queued on the device, registered in the step's StepOutput
+    StepOutput.read               -> the step's one host read
+    results -> compaction -> RequestUpdate per request
+
+``compute_step`` returns a :class:`RequestUpdate` per request and mutates no ``Sequence`` (the draft model's cache
+is written, but its view of it is undone by ``SpeculativeDecoder.discard``), so a step that raises can be
+retried on a smaller batch or dropped: ``LLMEngine`` applies the updates in its commit phase, request by request.
+That split is what failure isolation rests on (docs/architecture.md, "Failure isolation").
 """
 
 from __future__ import annotations
@@ -12,14 +22,19 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from specdec.engine.model_runner import ForwardItem, ModelRunner
-from specdec.engine.plain_step import plain_item, plain_tokens_from_host, sample_plain, sample_plain_on_device
+import torch
+
+from specdec.device import to_device
+from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
-from specdec.engine.speculative import target_input_ids
+from specdec.runner.model_runner import ForwardItem, ModelRunner
+from specdec.runner.step_output import StepOutput
 from specdec.sampling.logprobs import TokenLogprobs, attach_logprobs
+from specdec.spec_decode.decoder import DraftRound, SpeculativeDecoder
+from specdec.spec_decode.verify import VerifyResult
 
-DEVICE_DRAFT = 0  # a verification window's placeholder id for a draft that is only on the device (input_ids)
+DEVICE_DRAFT = 0  # a verification window's placeholder id for a draft that is only on the device
 
 
 @dataclass
@@ -29,8 +44,8 @@ class RequestUpdate:
     seq: Sequence
     num_computed: int  # target KV length the request keeps after the step (rollback included)
     new_tokens: list[int]  # a sampled token, or the accepted drafts + correction/bonus; [] for a mid-prompt chunk
-    k_granted: int | None = None  # speculation length granted at a decode step (metrics.k_per_step), else None
-    drafted: int = 0
+    lookahead_granted: int | None = None  # speculation budget granted at a decode step (metrics.k_per_step)
+    drafted: int = 0  # draft positions verified: a chain's length, a tree's depth
     accepted: int = 0
     verified: bool = False  # the tokens came from a verification round
     draft_forwards: int = 0
@@ -38,90 +53,110 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs] | None = None  # one per new token when params.logprobs is set (logprobs hook)
 
 
-def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec=None, observe_costs: bool = True
-                 ) -> list[RequestUpdate]:
+def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec: SpeculativeDecoder | None = None,
+                 observe_costs: bool = True) -> list[RequestUpdate]:
     """The updates of every request of ``batch``, in batch order.
 
     Args:
         spec: the ``SpeculativeDecoder``, or None for plain decoding.
         observe_costs: time the target forward for adaptive k (False for the retried halves of a failed step).
     """
-    drafts = spec.draft(batch) if spec is not None else None
-    items: list[ForwardItem] = []
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        k = drafts.num_drafts.get(seq.seq_id) if drafts else None
-        tree = drafts.trees.get(seq.seq_id) if drafts and drafts.trees else None
-        if k and tree is not None:  # a tree window: its nodes in DFS order, node i at RoPE ctx + depth(i)
-            items.append(ForwardItem(seq.seq_id, list(tree.token_ids), seq.num_computed, len(tree.token_ids),
-                                     positions=[seq.num_computed + depth for depth in tree.depths],
-                                     mask=tree.mask()))
-        elif k:  # a verification window: the last token, then the drafts (placeholders while on the device)
-            d = drafts.token_ids.get(seq.seq_id, [DEVICE_DRAFT] * k)
-            items.append(ForwardItem(seq.seq_id, [seq.last_token_id] + d, seq.num_computed, k + 1))
-        else:
-            items.append(plain_item(seq, n))
-    input_ids = target_input_ids(items, drafts, runner.device)  # the device drafts, never read to the host
+    draft_round = _draft(batch, spec) if spec is not None else None
+    window_of = {r.seq_id: b for b, r in enumerate(draft_round.requests)} if draft_round is not None else {}
+    items = [_window_item(seq, draft_round, window_of[seq.seq_id]) if seq.seq_id in window_of else plain_item(seq, n)
+             for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+    logits_starts = list(itertools.accumulate((item.num_logits for item in items), initial=0))  # [len + 1]
+    input_starts = list(itertools.accumulate((len(item.token_ids) for item in items), initial=0))
+    verifying = [i for i, seq in enumerate(batch.seqs) if seq.seq_id in window_of]
+    meta = None
+    if verifying:
+        meta = spec.metadata(draft_round, [logits_starts[i] for i in verifying], [input_starts[i] for i in verifying],
+                             logits_starts[-1], runner.device)
+    input_ids = None  # int64 [T] on the device, only when some window's drafts are on the device
+    if meta is not None and meta.draft_input_indices is not None:
+        input_ids = meta.scatter_drafts(to_device([t for item in items for t in item.token_ids], torch.int64,
+                                                  runner.device))
+
     start = spec.start_target_timer(runner.device) if spec is not None and observe_costs else None
-    # (sum of num_logits, V) fp32; input_ids only when there are device drafts
-    logits = runner.forward(items) if input_ids is None else runner.forward(items, input_ids=input_ids)
+    logits = runner.forward(items, input_ids=input_ids)  # fp32 [R, V], R = sum(num_logits)
     if start is not None:
-        spec.observe_target(start, len(items), sum(len(it.token_ids) for it in items))
+        spec.observe_target(start, len(items), input_starts[-1])
 
-    spec_rows: list[int] = []
-    plain_rows: list[int] = []
-    plain_seqs: list[Sequence] = []
-    row = 0
-    for item, seq in zip(items, batch.seqs):
-        rows = range(row, row + item.num_logits)
-        if drafts and seq.seq_id in drafts.num_drafts:
-            spec_rows.extend(rows)
-        elif item.num_logits:
-            plain_rows.extend(rows)
-            plain_seqs.append(seq)
-        row += item.num_logits
-    if drafts and drafts.seqs and plain_seqs:  # a mixed step: the plain tokens ride in verification's one read
-        drafts.read_with = sample_plain_on_device(logits[plain_rows], plain_seqs)
-        verified = spec.verify(logits[spec_rows], drafts)
-        sampled = plain_tokens_from_host(drafts.read_back, plain_seqs)
-    else:
-        sampled = sample_plain(logits[plain_rows], plain_seqs)
-        verified = spec.verify(logits[spec_rows], drafts) if drafts and drafts.seqs else {}
-    if verified and drafts.trees is not None:
-        spec.compact_trees(drafts, verified, runner.block_manager)  # accepted paths -> contiguous K/V
+    out = StepOutput()
+    plain = [i for i, item in enumerate(items) if item.num_logits and batch.seqs[i].seq_id not in window_of]
+    plain_rows = None
+    if plain:
+        rows = logits  # without windows every row is a plain one, in order
+        if meta is not None:  # some rows are verification windows: gather the plain ones on the device
+            rows = logits.index_select(0, to_device([logits_starts[i] for i in plain], torch.int64, logits.device))
+        plain_rows = sample_plain(rows, [batch.seqs[i] for i in plain], out)
+    pending = spec.verify(logits, draft_round, meta, out) if meta is not None else None
+    out.read()  # the step's one host read
+    sampled = plain_rows.result() if plain_rows is not None else {}
+    verified: VerifyResult | None = None
+    if pending is not None:
+        verified = pending.result([r.request_id for r in draft_round.requests])
+        spec.compact(draft_round, verified, runner.pool, runner.block_manager)
 
-    updates = []
-    for seq, n in zip(batch.seqs, batch.num_new_tokens):
-        k_granted = drafts.k_granted.get(seq.seq_id) if drafts else None
-        forwards = drafts.draft_forwards.get(seq.seq_id, 0) if drafts else 0
-        if seq.seq_id in verified:
-            emitted, accepted, nodes = verified[seq.seq_id]
-            tree = drafts.trees.get(seq.seq_id) if drafts.trees else None
-            # drafted positions: a chain's length, a tree's depth (its node count is in the proposal)
-            drafted = tree.max_depth if tree is not None else drafts.num_drafts[seq.seq_id]
-            updates.append(RequestUpdate(seq, seq.num_computed + 1 + accepted, emitted, k_granted, drafted,
-                                         accepted, True, forwards, accepted_nodes=nodes))
-        else:
-            updates.append(RequestUpdate(seq, seq.num_computed + n, sampled.get(seq.seq_id, []), k_granted,
-                                         draft_forwards=forwards))
-
-    # --- logprobs hook (sampling/logprobs.py), only when a request asked: the logits row each emitted token was
-    # drawn from - a plain token: its item's one row; a verified chain: token j from row j of its window.
+    updates = [_update(seq, n, draft_round, window_of, verified, sampled)
+               for seq, n in zip(batch.seqs, batch.num_new_tokens)]
     if any(seq.params.logprobs is not None for seq in batch.seqs):
-        starts = itertools.accumulate((item.num_logits for item in items), initial=0)
-        first_row = {seq.seq_id: start for seq, start in zip(batch.seqs, starts)}
-        token_rows = {u.seq.seq_id: [first_row[u.seq.seq_id] + j for j in range(len(u.new_tokens))] for u in updates}
-        for u in updates:  # a tree: token j comes from the row of the path's node at depth j (the root's for j = 0)
-            if u.accepted_nodes is not None:
-                token_rows[u.seq.seq_id] = [first_row[u.seq.seq_id] + node for node in [0, *u.accepted_nodes]]
-        attach_logprobs(logits, updates, token_rows)
+        _logprobs(logits, updates, logits_starts)
     if spec is not None:
         spec.flush_timings()  # after the step's host read: the timed forwards have completed
     return updates
 
 
-def undo_step(seqs: list[Sequence], spec=None) -> None:
-    """Forget what a failed ``compute_step`` left behind: the drafters' state beyond each request's committed
+def _draft(batch: ScheduledBatch, spec: SpeculativeDecoder) -> DraftRound:
+    """The round's drafts for the batch's decode steps (a prefill chunk never drafts)."""
+    decoding = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                if n == 1 and seq.num_computed + 1 == seq.num_tokens]
+    return spec.draft(decoding, [seq.lookahead for seq in decoding], len(batch.seqs))
+
+
+def _window_item(seq: Sequence, draft_round: DraftRound, b: int) -> ForwardItem:
+    """Request ``seq``'s verification window: its last token then its drafts (a tree: its nodes in DFS order,
+    node i at RoPE position ctx + depth(i)); every row's logits are wanted."""
+    proposal = draft_round.proposal
+    if proposal.trees is not None:
+        tree = proposal.trees[b]
+        return ForwardItem(seq.seq_id, list(tree.token_ids), seq.num_computed, len(tree.token_ids),
+                           positions=[seq.num_computed + depth for depth in tree.depths], mask=tree.mask())
+    k = proposal.counts()[b]
+    drafts = proposal.token_ids[b] if proposal.token_ids is not None else [DEVICE_DRAFT] * k
+    return ForwardItem(seq.seq_id, [seq.last_token_id, *drafts], seq.num_computed, k + 1)
+
+
+def _update(seq: Sequence, num_new: int, draft_round: DraftRound | None, window_of: dict[int, int],
+            verified: VerifyResult | None, sampled: dict[int, list[int]]) -> RequestUpdate:
+    granted = draft_round.lookahead_granted.get(seq.seq_id) if draft_round is not None else None
+    forwards = draft_round.draft_forwards.get(seq.seq_id, 0) if draft_round is not None else 0
+    b = window_of.get(seq.seq_id)
+    if b is None:
+        return RequestUpdate(seq, seq.num_computed + num_new, sampled.get(seq.seq_id, []), granted,
+                             draft_forwards=forwards)
+    accepted = verified.num_accepted[b]
+    proposal = draft_round.proposal
+    # drafted positions: a chain's length, a tree's depth (its node count is in the proposal)
+    drafted = proposal.trees[b].max_depth if proposal.trees is not None else proposal.counts()[b]
+    nodes = verified.accepted_nodes[b] if verified.accepted_nodes is not None else None
+    return RequestUpdate(seq, seq.num_computed + 1 + accepted, verified.emitted[b], granted, drafted, accepted,
+                         True, forwards, accepted_nodes=nodes)
+
+
+def _logprobs(logits: torch.Tensor, updates: list[RequestUpdate], logits_starts: list[int]) -> None:
+    """The logprobs hook (sampling/logprobs.py), only when a request asked: the logits row each emitted token was
+    drawn from - a plain token: its item's one row; a verified chain: token j from row j of its window; a tree:
+    token j from the row of the path's node at depth j (the root's for j = 0)."""
+    token_rows = {}
+    for u, first in zip(updates, logits_starts):
+        nodes = [0, *u.accepted_nodes] if u.accepted_nodes is not None else range(len(u.new_tokens))
+        token_rows[u.seq.seq_id] = [first + node for node in list(nodes)[: len(u.new_tokens)]]
+    attach_logprobs(logits, updates, token_rows)
+
+
+def undo_step(seqs: list[Sequence], spec: SpeculativeDecoder | None = None) -> None:
+    """Forget what a failed ``compute_step`` left behind: the proposer's state beyond each request's committed
     KV. (Target K/V written beyond ``num_computed`` is garbage by definition and is overwritten later.)"""
     if spec is not None:
-        for seq in seqs:
-            spec.drafter.rollback(seq, seq.num_computed)
+        spec.discard(seqs)

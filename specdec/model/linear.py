@@ -48,7 +48,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: under torch.compile the plain F.linear: Inductor lowers mkldnn._linear_pointwise only for weights
         # it packed itself (graph constants, "freezing"), so our packed copy fails to compile; with
-        # ``options={"freezing": True}`` Inductor packs F.linear's weight the same way (specdec/engine/cuda_graphs.py).
+        # ``options={"freezing": True}`` Inductor packs F.linear's weight the same way (specdec/runner/cuda_graphs.py).
         if self.packed_weight is not None and not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] >= (
                 PREPACK_MIN_ROWS_BF16 if self.packed_bf16 else PREPACK_MIN_ROWS):
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")

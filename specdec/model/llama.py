@@ -35,7 +35,7 @@ class AttentionMetadata:
     tree_mask_indptr: torch.Tensor | None = None  # int32 [B+1]
     # Static: every sequence has exactly this many new tokens (T = B * uniform_q_len) and is causal - a decode,
     # a draft step or a chain verification window. Attention then takes its host-read-free static-shape path
-    # (ops.paged_attention), the one CUDA graphs capture (specdec/engine/cuda_graphs.py). None: ragged batch.
+    # (ops.paged_attention), the one CUDA graphs capture (specdec/runner/cuda_graphs.py). None: ragged batch.
     uniform_q_len: int | None = None
 
 
@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The final-norm hidden states of every new token, model dtype ``[T, hidden]`` (the static forward of
-        specdec/engine/cuda_graphs.py captures this and applies :meth:`logits` to the rows it needs). No
+        specdec/runner/cuda_graphs.py captures this and applies :meth:`logits` to the rows it needs). No
         ``inference_mode`` decorator (see ``forward_traceable``)."""
         return self.norm(self._decoder(input_ids, positions, kv_cache, meta))
 

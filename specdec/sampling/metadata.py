@@ -8,7 +8,7 @@ import torch
 
 from specdec.device import to_device
 from specdec.sampling.params import SamplingParams
-from specdec.sampling.penalties import PenaltyRows, penalty_rows
+from specdec.sampling.penalties import PenaltyCounts, PenaltyRows, penalty_rows
 from specdec.sampling.standardize import SamplingTensors
 
 
@@ -26,14 +26,12 @@ class SamplingMetadata:
         return self.st.temperature.shape[0]
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int], prompts: list[list[int]],
-              outputs: list[list[int]], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
-        """From per-row lists (``prompts`` / ``outputs``: the penalty context of each row, read only when the
-        row has a penalty; pass the sequence's own lists - ``seq.prompt_token_ids``, ``seq.output_token_ids``
-        (+ drafts) - and the context costs O(distinct tokens) per row, not O(length))."""
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
+              contexts: list[PenaltyCounts | None], vocab_size: int, device: torch.device | str) -> SamplingMetadata:
+        """From per-row lists. ``contexts[r]``: row r's penalty context (``Sequence.penalty_counts``, or
+        ``penalties.row_counts`` of two lists), read only when the row has a penalty; None for rows without."""
         num_rows = len(params)
-        for name, values in (("seeds", seeds), ("positions", positions), ("prompts", prompts),
-                             ("outputs", outputs)):
+        for name, values in (("seeds", seeds), ("positions", positions), ("contexts", contexts)):
             if len(values) != num_rows:
                 raise ValueError(f"SamplingMetadata needs one entry per row in {name}: got {len(values)} for "
                                  f"{num_rows} rows")
@@ -43,5 +41,6 @@ class SamplingMetadata:
             keys = to_device([seeds, positions], torch.int64, device).reshape(2, num_rows)  # [2, R]
         pen = None
         if st.any_penalty:
-            pen = penalty_rows(prompts, outputs, vocab_size, device, [p.has_penalties for p in params])
+            pen = penalty_rows([c if p.has_penalties else None for p, c in zip(params, contexts)], vocab_size,
+                               device)
         return cls(st, keys[0] if keys is not None else None, keys[1] if keys is not None else None, pen)

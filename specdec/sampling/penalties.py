@@ -2,14 +2,11 @@
 
 The context is sparse - per row, each **distinct** token of prompt + output (+ the drafts before a draft
 position) once, with its count in the output - because that is all the penalties touch: a row of a long request
-has a few hundred distinct tokens against a vocabulary of 10^5. :func:`penalty_rows` builds it with one host to
-device copy; :func:`penalty_context` is the same context as dense ``[R, V]`` tensors (the reference the tests
-compare the sparse path against).
-
-Per row, the counts come from the request's ``TokenHistory`` (engine/token_history.py: kept up to date per
-appended token, O(distinct) to hand over) when the row's lists are the sequence's own (``seq.prompt_token_ids``
-with ``seq.output_token_ids`` or ``seq.output_token_ids + drafts``); any other lists are counted with numpy
-(O(length)).
+has a few hundred distinct tokens against a vocabulary of 10^5. A row's context is a :data:`PenaltyCounts`
+pair; the engine takes it from the request's token history (``Sequence.penalty_counts``, O(distinct tokens));
+:func:`row_counts` counts any two lists with numpy (O(length)). :func:`penalty_rows` stacks the rows' contexts
+with one host to device copy; :func:`penalty_context` is the same context as dense ``[R, V]`` tensors (the
+reference the tests compare the sparse path against).
 """
 
 from __future__ import annotations
@@ -46,44 +43,36 @@ class PenaltyRows:
         return seen, counts
 
 
-def row_counts(prompt: list[int], output: list[int], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(ids int64 [D], counts int32 [D])`` of one row: each distinct token of ``prompt + output`` below
-    ``vocab_size`` once (ids at or beyond it have no logit to penalise), with its count in ``output``.
+PenaltyCounts = tuple[np.ndarray, np.ndarray]  # (ids int64 [D], counts int32 [D]): a row's distinct tokens
 
-    O(distinct tokens) when ``prompt`` / ``output`` are a sequence's own lists (see the module docstring),
-    O(length) otherwise.
-    """
-    source = getattr(output, "penalty_source", None)
-    source = source() if source is not None else None  # (TokenHistory, extra tokens) or None
-    if source is not None and getattr(prompt, "history", None) is source[0]:
-        ids, counts = source[0].penalty_counts(source[1])
-    else:
-        p = np.asarray(prompt, dtype=np.int64).reshape(-1)  # [Lp]
-        o = np.asarray(output, dtype=np.int64).reshape(-1)  # [Lo]
-        ids, inverse = np.unique(np.concatenate([p, o]), return_inverse=True)  # [D], [Lp + Lo]
-        counts = np.bincount(inverse[p.size :], minlength=ids.size).astype(np.int32)  # [D]
-    keep = ids < vocab_size
-    if not keep.all():
-        ids, counts = ids[keep], counts[keep]
+
+def row_counts(prompt: list[int], output: list[int]) -> PenaltyCounts:
+    """``(ids int64 [D], counts int32 [D])`` of one row: each distinct token of ``prompt + output`` once, with its
+    count in ``output`` (O(length); a request's own history hands the same over in O(distinct))."""
+    p = np.asarray(prompt, dtype=np.int64).reshape(-1)  # [Lp]
+    o = np.asarray(output, dtype=np.int64).reshape(-1)  # [Lo]
+    ids, inverse = np.unique(np.concatenate([p, o]), return_inverse=True)  # [D], [Lp + Lo]
+    counts = np.bincount(inverse[p.size :], minlength=ids.size).astype(np.int32)  # [D]
     return ids, counts
 
 
-def penalty_rows(prompts: list[list[int]], outputs: list[list[int]], vocab_size: int, device: torch.device | str,
-                 active: list[bool] | None = None) -> PenaltyRows:
-    """The sparse penalty context of ``len(prompts)`` rows (one host to device copy).
+def penalty_rows(contexts: list[PenaltyCounts | None], vocab_size: int, device: torch.device | str) -> PenaltyRows:
+    """The sparse penalty context of ``len(contexts)`` rows (one host to device copy).
 
-    ``outputs[r]`` is row r's "output": the generated text, plus the drafts before draft position j for a
-    speculative row. ``active``: per row, whether it has penalties at all (rows without get no entries; their
-    logits are left alone either way).
+    ``contexts[r]``: row r's distinct tokens and their counts in its "output" (the generated text, plus the drafts
+    before draft position j for a speculative row), or None for a row without penalties (no entries; its logits
+    are left alone either way). Ids at or beyond ``vocab_size`` are dropped (no logit to penalise: a draft model
+    with a smaller vocabulary than its target's).
     """
-    num_rows = len(prompts)
-    if len(outputs) != num_rows:
-        raise ValueError(f"one output list per prompt: got {num_rows} prompts and {len(outputs)} outputs")
+    num_rows = len(contexts)
     ids, counts, sizes = [], [], np.zeros(num_rows, dtype=np.int64)
-    for r, (prompt, out) in enumerate(zip(prompts, outputs)):
-        if active is not None and not active[r]:
+    for r, context in enumerate(contexts):
+        if context is None:
             continue
-        i, c = row_counts(prompt, out, vocab_size)
+        i, c = context
+        keep = i < vocab_size
+        if not keep.all():
+            i, c = i[keep], c[keep]
         ids.append(i)
         counts.append(c)
         sizes[r] = i.size
@@ -96,14 +85,12 @@ def penalty_rows(prompts: list[list[int]], outputs: list[list[int]], vocab_size:
     return PenaltyRows(table[0], table[1], table[2].int(), num_rows)
 
 
-def penalty_context(
-    prompts: list[list[int]], outputs: list[list[int]], vocab_size: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seen_mask bool [R, V], output_counts int32 [R, V]).
+def penalty_context(contexts: list[PenaltyCounts | None], vocab_size: int, device: torch.device | str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seen_mask bool [R, V], output_counts int32 [R, V]): :func:`penalty_rows` as dense tensors.
 
     ``seen_mask`` marks tokens in prompt or output (repetition penalty); ``output_counts`` counts tokens in the
-    output only (presence / frequency penalties, as vLLM and OpenAI define them). For speculative rows the
-    "output" of draft position j is the generated text plus the drafts before j. The dense form of
-    :func:`penalty_rows` (which ``apply_penalty_rows`` applies at O(entries) instead of O(R * V)).
+    output only (presence / frequency penalties, as vLLM and OpenAI define them). ``apply_penalty_rows`` applies
+    the sparse form at O(entries) instead of O(R * V).
     """
-    return penalty_rows(prompts, outputs, vocab_size, device).dense(vocab_size)
+    return penalty_rows(contexts, vocab_size, device).dense(vocab_size)

@@ -7,6 +7,7 @@ import torch
 from specdec.kernels.philox import STREAM_SAMPLE, sample_argmax
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
+from specdec.sampling.penalties import PenaltyCounts
 from specdec.sampling.standardize import apply_penalty_rows, standardize, standardize_unchecked
 
 
@@ -26,8 +27,7 @@ def sample_next_tokens(
     params: list[SamplingParams],
     seeds: list[int],
     positions: list[int],
-    prompts: list[list[int]],
-    outputs: list[list[int]],
+    contexts: list[PenaltyCounts | None],
     bad_rows: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Next token per row, int64 ``[R]``; raises ``FloatingPointError`` on NaN/inf logits (or, with ``bad_rows``,
@@ -36,9 +36,9 @@ def sample_next_tokens(
     Args:
         logits: fp32 ``[R, V]``.
         seeds, positions: per row, the request seed and the absolute position of the token being sampled.
-        prompts, outputs: per row, the token context for penalties.
+        contexts: per row, its penalty context (``Sequence.penalty_counts``), or None without penalties.
     """
-    return sample_rows(logits, params, seeds, positions, prompts, outputs, STREAM_SAMPLE, bad_rows=bad_rows)[0]
+    return sample_rows(logits, params, seeds, positions, contexts, STREAM_SAMPLE, bad_rows=bad_rows)[0]
 
 
 def sample_rows(
@@ -46,8 +46,7 @@ def sample_rows(
     params: list[SamplingParams],
     seeds: list[int],
     positions: list[int],
-    prompts: list[list[int]],
-    outputs: list[list[int]],
+    contexts: list[PenaltyCounts | None],
     stream: int,
     bad_rows: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,7 +57,7 @@ def sample_rows(
     NaN/inf logits raise ``FloatingPointError`` (a host read), unless ``bad_rows`` is given: then the bool ``[R]``
     of bad rows is appended to it, on the device, and the caller must check it before using those rows' tokens.
     """
-    meta = SamplingMetadata.build(params, seeds, positions, prompts, outputs, logits.shape[-1], logits.device)
+    meta = SamplingMetadata.build(params, seeds, positions, contexts, logits.shape[-1], logits.device)
     return sample_with_metadata(logits, meta, stream, bad_rows=bad_rows)
 
 

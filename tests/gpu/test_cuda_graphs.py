@@ -1,4 +1,4 @@
-"""CUDA graphs of the static forward (specdec/engine/cuda_graphs.py) on a GPU: replay == eager.
+"""CUDA graphs of the static forward (specdec/runner/cuda_graphs.py) on a GPU: replay == eager.
 
 Run on a CUDA machine with ``python -m pytest -m gpu tests/gpu`` (``python -m bench.gpu``'s tests step). Marked
 ``gpu``: excluded from the default run; selected without CUDA every test FAILS ("needs CUDA"). The CPU side of the
@@ -18,10 +18,10 @@ import torch
 from test_static_forward import BLOCK_SIZE, NUM_BLOCKS, K, uniform_batch
 from tiny_models import make_tiny_model
 
-from specdec.engine.cuda_graphs import StaticForwardRunner
 from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
 from specdec.model.loader import load_model
+from specdec.runner.cuda_graphs import StaticForwardRunner
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"  # a self-check may point DEVICE at "cpu" and MODE at "eager" and call the test functions directly

@@ -14,10 +14,10 @@ import torch
 from test_production_shapes import VOCABS, _gen, spec_batch
 
 from specdec import ops
-from specdec.drafters.tree import DraftTree
 from specdec.kernels.block_verify import block_verify
 from specdec.kernels.kv_compact import kv_compact
 from specdec.kernels.tree_sample import tree_sample
+from specdec.spec_decode.tree import DraftTree
 
 pytestmark = pytest.mark.gpu
 

@@ -320,7 +320,7 @@ def test_reference_mutants_are_rejected(model, mutant, monkeypatch):
 
 @pytest.mark.parametrize("drafts_by_position", [False, True], ids=["fresh-per-round", "keyed-by-position"])
 def test_drafts_must_be_fresh_per_round(model, drafts_by_position):
-    """Why the draft model keys its noise by round under verify="block" (DraftModelDrafter.noise_per_round): the
+    """Why the draft model keys its noise by round under verify="block" (DraftModelProposer.noise_per_round): the
     same test passes with drafts drawn fresh every round and rejects drafts keyed by their own position, which
     the next round redraws with noise this round's decision looked at. 100,000 requests at k = 4."""
     results = chi_square_tables(model, groups=(("model", 4),), rows=100_000, drafts_by_position=drafts_by_position)

@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from specdec.drafters.tree import DraftTree
 from specdec.kernels import paged_attention as pa
 from specdec.kernels.paged_attention import paged_attention, paged_attention_reference
+from specdec.spec_decode.tree import DraftTree
 
 BLOCK_SIZE = 4
 HQ, HKV, D = 6, 2, 16  # GQA group 3

@@ -67,7 +67,7 @@ def test_target_and_draft_models_follow_the_engine_setting(tiny_pair, setting):
     target, draft = tiny_pair
     llm = specdec.LLM(target, dtype="float32", prepack_weights=setting,
                       speculative=specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=2))
-    draft_model = llm.engine.speculative.drafter.runner.model
+    draft_model = llm.engine.speculative.proposer.runner.model
     for model in (llm.engine.model, draft_model):
         packed = [m.packed_weight is not None for m in model.modules() if isinstance(m, Linear)]
         assert packed and all(packed) == (setting is None) and any(packed) == (setting is None)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import heapq
 import numbers
-from collections.abc import Callable, Hashable, Sequence as Seq
+from collections.abc import Callable, Hashable
+from collections.abc import Sequence as Seq
 from typing import Any
 
-from specdec.drafters.base import DraftProposal
-from specdec.drafters.tree import DraftTree
+from specdec.spec_decode.proposers.base import DraftProposal
+from specdec.spec_decode.tree import DraftTree
 
 Rank = tuple  # numbers, compared lexicographically; lower = kept first and tried first
 Expand = Callable[[Any], list[tuple[int, Rank, Any]]]

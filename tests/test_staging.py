@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specdec.cache.block_manager import INITIAL_TABLE_ROWS, INITIAL_TABLE_WIDTH, BlockManager
-from specdec.engine.input_batch import StagingBuffer
-from specdec.engine.model_runner import ForwardItem, ModelRunner
+from specdec.runner.model_runner import ForwardItem, ModelRunner
+from specdec.runner.staging import StagingBuffer
 
 
 # --- the staging buffer ----------------------------------------------------------------------------------------

@@ -18,10 +18,10 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from specdec.drafters.base import DraftProposal
-from specdec.drafters.token_trie import best_first_tree, check_tree_budgets, tree_proposal
-from specdec.drafters.tree import DraftTree
-from specdec.engine.sequence import Sequence
+from specdec.spec_decode.proposers.base import DraftProposal, ModelFreeProposer
+from specdec.spec_decode.proposers.token_trie import best_first_tree, check_tree_budgets, tree_proposal
+from specdec.spec_decode.request import RequestView
+from specdec.spec_decode.tree import DraftTree
 
 
 class NgramTable:
@@ -127,7 +127,7 @@ class NgramTable:
         return max(conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))[0]
 
 
-class NgramDrafter:
+class NgramProposer(ModelFreeProposer):
     """Model-free drafter over :class:`NgramTable` per request; drafts are one-hot (q is a point mass)."""
 
     def __init__(self, min_order: int = 2, max_order: int = 4, window: int = 512, keep_chain: bool = True):
@@ -135,18 +135,18 @@ class NgramDrafter:
         self.keep_chain = keep_chain  # trees keep propose()'s chain first (NgramTable.predict_tree)
         self.tables: dict[int, NgramTable] = {}
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
+    def propose(self, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
         drafts = [self._table(seq).predict(k) if k > 0 else [] for seq, k in zip(seqs, num_tokens)]
         return DraftProposal(drafts, None, [True] * len(seqs))
 
-    def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
+    def propose_tree(self, seqs: list[RequestView], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
         """Per request a tree of table predictions (depth ``<= max_depths[i]``, ``<= max_nodes[i]`` drafts);
         one-hot, no q."""
         check_tree_budgets(len(seqs), max_depths, max_nodes)
         return tree_proposal([self._table(seq).predict_tree(d, n, self.keep_chain)
                               for seq, d, n in zip(seqs, max_depths, max_nodes)])
 
-    def _table(self, seq: Sequence) -> NgramTable:
+    def _table(self, seq: RequestView) -> NgramTable:
         """The request's table, caught up with its emitted tokens."""
         table = self.tables.get(seq.seq_id)
         if table is None:
@@ -155,10 +155,7 @@ class NgramDrafter:
             table.push(token)
         return table
 
-    def rollback(self, seq: Sequence, kv_len: int) -> None:
-        pass  # the tables only ever saw emitted tokens
-
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq_id: int, finished: bool) -> None:
         # keep the table across preemption: the request's tokens are kept, so its stream is still valid
-        if seq.is_finished:
-            self.tables.pop(seq.seq_id, None)
+        if finished:
+            self.tables.pop(seq_id, None)

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import torch
 
+from specdec.cache.block_manager import BlockManager
 from specdec.device import to_device
-from specdec.drafters.base import DraftProposal
-from specdec.drafters.draft_model import DraftModelDrafter
-from specdec.drafters.tree import DraftTree
-from specdec.engine.sequence import Sequence
+from specdec.spec_decode.proposers.base import DraftProposal, ModelFreeProposer
+from specdec.spec_decode.proposers.draft_model import DraftModelProposer
+from specdec.spec_decode.request import RequestView
 
 
-class CombinedDrafter:
-    def __init__(self, lookup, draft_model: DraftModelDrafter):
-        self.lookup = lookup  # a model-free drafter (prompt lookup or n-gram)
+class CombinedProposer:
+    """A model-free proposer first; the draft model for the requests it has nothing for."""
+
+    def __init__(self, lookup: ModelFreeProposer, draft_model: DraftModelProposer):
+        self.lookup = lookup  # a model-free proposer (prompt lookup or n-gram)
         self.draft_model = draft_model
+        self.max_positions = draft_model.max_positions
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
+    @property
+    def block_managers(self) -> list[BlockManager]:
+        return self.draft_model.block_managers
+
+    def propose(self, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
         free = self.lookup.propose(seqs, num_tokens)
         # requests without a model-free match go to the draft model (which catches its cache up first)
         misses = [i for i, (d, k) in enumerate(zip(free.token_ids, num_tokens)) if not d and k > 0]
@@ -69,7 +76,7 @@ class CombinedDrafter:
         return DraftProposal(host, probs, is_onehot, forwards, device_ids=device_ids, bad_rows=bad_rows,
                              num_drafts=counts)
 
-    def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
+    def propose_tree(self, seqs: list[RequestView], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
         """The lookup's tree where it has one; the draft model's tree (its chain of ``min(depth, nodes)``
         drafts if it has no tree mode) for the requests the lookup had nothing for."""
         free = self.lookup.propose_tree(seqs, max_depths, max_nodes)
@@ -77,20 +84,8 @@ class CombinedDrafter:
         if not misses:
             return free
         sub = [seqs[i] for i in misses]
-        if hasattr(self.draft_model, "propose_tree"):
-            model = self.draft_model.propose_tree(sub, [max_depths[i] for i in misses], [max_nodes[i] for i in misses])
-            model_trees, model_probs = model.trees, model.probs
-        else:
-            model = self.draft_model.propose(sub, [min(max_depths[i], max_nodes[i]) for i in misses])
-            model_drafts = model.read_token_ids([s.request_id for s in sub])
-            model_trees = [DraftTree.chain(s.last_token_id, d) for s, d in zip(sub, model_drafts)]
-            model_probs = None
-            if model.probs is not None:  # chain rows -> node rows: node j's children were drawn from row j
-                rows, start = [], 0
-                for d in model_drafts:
-                    rows += [model.probs[start : start + len(d)], model.probs.new_zeros(1, model.probs.shape[1])]
-                    start += len(d)
-                model_probs = torch.cat(rows)  # [sum(k_b + 1), V]; each leaf row unread (zeros)
+        model = self.draft_model.propose_tree(sub, [max_depths[i] for i in misses], [max_nodes[i] for i in misses])
+        model_trees, model_probs = model.trees, model.probs
         trees, is_onehot = list(free.trees), list(free.is_onehot)
         forwards = [0] * len(trees)
         for j, i in enumerate(misses):
@@ -112,10 +107,16 @@ class CombinedDrafter:
                 row += t.num_drafts + 1
         return DraftProposal([list(t.token_ids[1:]) for t in trees], probs, is_onehot, forwards, trees)
 
-    def rollback(self, seq: Sequence, kv_len: int) -> None:
-        self.lookup.rollback(seq, kv_len)
-        self.draft_model.rollback(seq, kv_len)
+    def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
+        self.draft_model.compact(requests, accepted_nodes)  # the lookup keeps no cache
 
-    def free(self, seq: Sequence) -> None:
-        self.lookup.free(seq)
-        self.draft_model.free(seq)
+    def rollback(self, request: RequestView, kv_len: int) -> None:
+        self.lookup.rollback(request, kv_len)
+        self.draft_model.rollback(request, kv_len)
+
+    def discard(self, request: RequestView, kv_len: int) -> None:
+        self.draft_model.discard(request, kv_len)
+
+    def free(self, seq_id: int, finished: bool) -> None:
+        self.lookup.free(seq_id, finished)
+        self.draft_model.free(seq_id, finished)

@@ -17,7 +17,7 @@ fed to the draft (except at the last depth), each attending the context and its 
 holds the tree's nodes level by level after the root, and the tree mask spans those ``w`` positions.
 
 After verification the engine compacts the accepted path's K/V in the draft pool too, as in the target's: the
-drafter records where each fed node sits (``DraftModelDrafter.tree_positions``), the path's fed prefix moves to
+drafter records where each fed node sits (``DraftModelProposer.tree_positions``), the path's fed prefix moves to
 ``ctx + 1 ..`` and the draft's valid length grows by it; only the path's last node (never fed when it is a
 leaf at the depth cap) and the bonus token are left to the next catch-up forward.
 """
@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.device import to_device
-from specdec.drafters.base import DraftProposal
-from specdec.drafters.tree import DraftTree
-from specdec.engine.model_runner import ForwardItem
-from specdec.engine.sequence import Sequence
 from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
+from specdec.runner.model_runner import ForwardItem
 from specdec.sampling.penalties import penalty_rows
 from specdec.sampling.standardize import SamplingTensors, apply_penalty_rows, standardize_unchecked
+from specdec.spec_decode.proposers.base import DraftProposal
+from specdec.spec_decode.request import RequestView
+from specdec.spec_decode.tree import DraftTree
 
 
 @dataclass
@@ -52,7 +52,7 @@ class TreeShape:
 class _Growing:
     """One request's tree while it grows (nodes in creation order = BFS; node 0 is the root)."""
 
-    seq: Sequence
+    seq: RequestView
     depth_cap: int
     budget: int  # drafted nodes still allowed
     tokens: list[int]
@@ -71,12 +71,12 @@ class _Growing:
         return out[::-1]
 
 
-def propose_tree(drafter, seqs: list[Sequence], depth_caps: list[int], budgets: list[int], shape: TreeShape
+def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budgets: list[int], shape: TreeShape
                  ) -> DraftProposal:
     """A tree per request: depth <= ``depth_caps[i]``, at most ``budgets[i]`` drafted nodes.
 
-    ``drafter`` is the :class:`~specdec.drafters.draft_model.DraftModelDrafter` (its runner, cache bookkeeping
-    and vocabulary mapping). Returns trees in DFS order with q rows per node (``DraftProposal.trees``).
+    ``drafter`` is the :class:`~specdec.spec_decode.proposers.draft_model.DraftModelProposer` (its runner, cache
+    bookkeeping and vocabulary mapping). Returns trees in DFS order with q rows per node (``DraftProposal.trees``).
     """
     grows = [_Growing(s, d, b, [s.last_token_id], [-1], [0], [1.0]) for s, d, b in zip(seqs, depth_caps, budgets)]
     active = [g for g in grows if g.depth_cap > 0 and g.budget > 0]
@@ -189,11 +189,9 @@ def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], sh
     q and its largest probabilities per node. NaN/inf rows raise (the engine fails their requests)."""
     params = [g.seq.params for g, _ in rows]
     st = SamplingTensors.from_params(params, logits.device)
-    if st.any_penalty:
-        prompts = [drafter._known(g.seq.prompt_token_ids) for g, _ in rows]
-        outputs = [drafter._known(g.seq.output_token_ids + g.path_tokens(n)) for g, n in rows]
-        logits = apply_penalty_rows(logits, penalty_rows(prompts, outputs, logits.shape[-1], logits.device,
-                                                         [p.has_penalties for p in params]), st)
+    if st.any_penalty:  # ids beyond the draft's vocabulary are dropped (they have no logit to penalise)
+        contexts = [g.seq.penalty_counts(g.path_tokens(n)) if g.seq.params.has_penalties else None for g, n in rows]
+        logits = apply_penalty_rows(logits, penalty_rows(contexts, logits.shape[-1], logits.device), st)
     probs, bad = standardize_unchecked(logits, st)  # greedy rows: q at temperature 1 (its order is the argmax's)
     # the dynamic policy ranks candidates by q's largest probabilities; a static shape needs none
     width = min(8, probs.shape[-1]) if shape.branching is None else 0
@@ -209,7 +207,7 @@ def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], sh
         g.top_probs[node] = flat[r * width : (r + 1) * width]
 
 
-def _proposal(drafter, seqs: list[Sequence], grows: list[_Growing]) -> DraftProposal:
+def _proposal(drafter, seqs: list[RequestView], grows: list[_Growing]) -> DraftProposal:
     """Re-number every tree in DFS order and lay out q per node (rows of the target vocabulary, zero-padded)."""
     trees, q_lists = [], []
     for g in grows:

@@ -10,9 +10,9 @@ import torch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
-from specdec.engine.cuda_graphs import DEFAULT_BATCH_BUCKETS, StaticForwardRunner, reserve_scratch_block, uniform_q_len
-from specdec.engine.input_batch import StagingBuffer
 from specdec.model.llama import AttentionMetadata, LlamaForCausalLM
+from specdec.runner.cuda_graphs import DEFAULT_BATCH_BUCKETS, StaticForwardRunner, reserve_scratch_block, uniform_q_len
+from specdec.runner.staging import StagingBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ class ForwardItem:
     token_ids: list[int]  # the new tokens (their K/V get written)
     start_pos: int  # absolute position of token_ids[0]
     num_logits: int  # logits wanted for the last ``num_logits`` new tokens (0 = none)
-    # Tree windows (specdec/drafters/tree.py). ``positions``: the RoPE position of each new token (None:
+    # Tree windows (specdec/spec_decode/tree.py). ``positions``: the RoPE position of each new token (None:
     # start_pos + i, the KV slot order). ``mask``: bool [len(token_ids), w], which of the last w key positions
     # (the new tokens are the last len(token_ids) of them) token i attends; the keys before those w are context,
     # seen by every token. None = causal.

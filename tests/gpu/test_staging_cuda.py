@@ -1,9 +1,9 @@
-"""The staging buffer's CUDA path (specdec/engine/input_batch.py): pinned host memory, one non-blocking copy per
+"""The staging buffer's CUDA path (specdec/runner/staging.py): pinned host memory, one non-blocking copy per
 forward, and the event that keeps the next forward's host writes from racing the previous copy.
 
 Marked ``gpu``: excluded from the default run; selected without CUDA every test FAILS ("needs CUDA"). The CPU
 side (layout, growth, the separate-buffer copy path, prepare == the list-built metadata) is
-tests/test_input_batch.py.
+tests/test_staging.py.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_input_batch import _random_batch, reference_metadata
+from test_staging import _random_batch, reference_metadata
 
 from specdec.cache.block_manager import BlockManager
-from specdec.engine.input_batch import StagingBuffer
-from specdec.engine.model_runner import ModelRunner
+from specdec.runner.model_runner import ModelRunner
+from specdec.runner.staging import StagingBuffer
 
 pytestmark = pytest.mark.gpu
 

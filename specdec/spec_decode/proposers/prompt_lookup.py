@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.drafters.base import DraftProposal
-from specdec.drafters.token_trie import best_first_tree, check_tree_budgets, tree_proposal
-from specdec.drafters.tree import DraftTree
-from specdec.engine.sequence import Sequence
+from specdec.spec_decode.proposers.base import DraftProposal, ModelFreeProposer
+from specdec.spec_decode.proposers.token_trie import best_first_tree, check_tree_budgets, tree_proposal
+from specdec.spec_decode.request import RequestView
+from specdec.spec_decode.tree import DraftTree
 
 
 def lookup_matches(tokens: np.ndarray, min_ngram: int, max_ngram: int, max_matches: int | None = None,
@@ -145,35 +145,26 @@ def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ng
     return best_first_tree(root, 0, expand, max_depth, max_nodes, chain if keep_chain else ())
 
 
-def _array(seq: Sequence) -> np.ndarray | None:
-    """The request's text as int64 ``[L]``: ``Sequence.token_array`` (kept up to date per token, O(1) here), or
-    None for a request object without one (then the lookup converts its list)."""
-    return getattr(seq, "token_array", None)
-
-
-class PromptLookupDrafter:
+class PromptLookupProposer(ModelFreeProposer):
     def __init__(self, min_ngram: int = 2, max_ngram: int = 4, max_matches: int = 64, keep_chain: bool = True):
         if max_matches < 1:
             raise ValueError(f"max_matches (matches merged into a tree) must be >= 1, got {max_matches}")
         self.min_ngram, self.max_ngram, self.max_matches = min_ngram, max_ngram, max_matches
         self.keep_chain = keep_chain  # trees keep propose()'s chain first (prompt_lookup_tree)
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> DraftProposal:
-        drafts = [prompt_lookup(seq.all_token_ids, k, self.min_ngram, self.max_ngram, _array(seq))
+    def propose(self, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
+        drafts = [prompt_lookup(seq.all_token_ids, k, self.min_ngram, self.max_ngram, seq.token_array)
                   for seq, k in zip(seqs, num_tokens)]
         return DraftProposal(drafts, None, [True] * len(seqs))
 
-    def propose_tree(self, seqs: list[Sequence], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
+    def propose_tree(self, seqs: list[RequestView], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
         """Per request a token trie (depth ``<= max_depths[i]``, ``<= max_nodes[i]`` drafts); one-hot, no q."""
         check_tree_budgets(len(seqs), max_depths, max_nodes)
         trees = []
         for seq, depth, nodes in zip(seqs, max_depths, max_nodes):
             trees.append(prompt_lookup_tree(seq.all_token_ids, depth, nodes, self.min_ngram, self.max_ngram,
-                                            self.max_matches, _array(seq), self.keep_chain))
+                                            self.max_matches, seq.token_array, self.keep_chain))
         return tree_proposal(trees)
 
-    def rollback(self, seq: Sequence, kv_len: int) -> None:
-        pass  # the text holds emitted tokens only
-
-    def free(self, seq: Sequence) -> None:
-        pass  # no per-request state: the sequence keeps its own history
+    def free(self, seq_id: int, finished: bool) -> None:
+        pass  # no per-request state: the request keeps its own history

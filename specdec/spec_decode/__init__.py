@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers, the per-round SpecDecodeMetadata, verification, KV compaction, adaptive k."""

@@ -1,0 +1,228 @@
+"""A smaller model drafts k tokens autoregressively, batched over every speculating request.
+
+The draft has its own paged KV pool whose blocks are allocated and freed in lockstep with the target's (the
+scheduler reserves both through ``block_managers``). Its cache is filled lazily and caught up in one ragged
+prefill fused into the first draft step: whatever tokens it lacks (the prompt on first use; the last draft and
+the bonus token after an all-accepted round; tokens from plain steps) are fed before it drafts. Invariant when
+drafting starts: the draft's KV covers exactly the tokens the target's covers, plus the catch-up it is fed in
+that same forward.
+
+A draft vocabulary smaller than the target's (Qwen2.5-7B+ targets have 152064 ids, their 0.5B-3B drafts 151936):
+the draft never sees an id it does not have. Such ids in the context are fed to it as ``UNKNOWN_ID_STANDIN``
+and left out of its penalty context; its q is zero on them, so it never proposes them, and verification (which
+uses exactly that q) stays lossless - the target still emits them through the residual or bonus token.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specdec import ops
+from specdec.cache.block_manager import BlockManager
+from specdec.cache.kv_pool import KVPool
+from specdec.device import to_device
+from specdec.kernels.philox import STREAM_DRAFT, round_stream
+from specdec.model.config import ModelConfig
+from specdec.model.llama import LlamaForCausalLM
+from specdec.runner.forward_timer import ForwardTimer
+from specdec.runner.model_runner import ForwardItem, ModelRunner
+from specdec.sampling.sampler import sample_rows
+from specdec.spec_decode.proposers.base import DraftProposal
+from specdec.spec_decode.proposers.draft_tree import TreeShape, propose_tree
+from specdec.spec_decode.request import RequestView
+
+UNKNOWN_ID_STANDIN = 0  # what the draft is fed in place of a target id beyond its vocabulary
+
+
+class DraftModelProposer:
+    """A draft model with its own paged KV pool: drafts chains (``propose``) and trees (``propose_tree``).
+
+    Everything about its cache is its own: the pool and block manager, the valid length per request
+    (``kv_len``), where a tree's fed nodes sit (``tree_positions``), rollback and compaction. Built by
+    ``proposers/factory.py``.
+
+    Args:
+        model: the draft model, loaded on ``device``.
+        config: its config (vocabulary <= the target's, ``proposers/compat.py``).
+        num_blocks, block_size, dtype: its KV pool (the same block count and size as the target's).
+        target_vocab_size: q rows are laid out over the target's vocabulary (zero beyond the draft's).
+        max_positions: the highest position it may write + 1 (its position embeddings, capped by max_model_len).
+        tree_shape: how ``propose_tree`` grows trees (None: chains as trees).
+        noise_per_round: key draft j's noise by (round start, j) instead of its position - block verification
+            looks at drafts beyond those it emits, so the next round must not redraw them with the same noise
+            (kernels/block_verify.py).
+        timer, on_forward: adaptive k's draft timings (``on_forward(batch_size, seconds)`` per pure draft step);
+            None when adaptive k is off (nothing is timed).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, target_vocab_size: int, max_positions: int,
+                 tree_shape: TreeShape | None = None, noise_per_round: bool = False,
+                 timer: ForwardTimer | None = None, on_forward: Callable[[int, float], None] | None = None):
+        self.config = config
+        self.block_manager = BlockManager(num_blocks, block_size)
+        pool = KVPool(config, num_blocks, block_size, dtype, device)
+        self.runner = ModelRunner(model, pool, self.block_manager, device)
+        self.target_vocab_size = target_vocab_size
+        self.vocab_size = config.vocab_size  # <= target_vocab_size (proposers/compat.py)
+        self.max_positions = max_positions
+        self.tree_shape = tree_shape
+        self.noise_per_round = noise_per_round
+        self.timer = timer
+        self.on_forward = on_forward
+        self.kv_len: dict[int, int] = {}  # seq id -> tokens whose K/V are valid in the draft cache
+        # seq id -> {tree node (DFS index) -> its position in the draft cache}, for the nodes fed this round
+        self.tree_positions: dict[int, dict[int, int]] = {}
+
+    @property
+    def block_managers(self) -> list[BlockManager]:
+        return [self.block_manager]
+
+    # --- drafting -------------------------------------------------------------------------------------------
+    def propose_tree(self, seqs: list[RequestView], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
+        """A draft tree per request (depth <= ``max_depths[i]``, at most ``max_nodes[i]`` drafted nodes), grown by
+        ``tree_shape``; see specdec/spec_decode/proposers/draft_tree.py."""
+        shape = self.tree_shape or TreeShape([1] * max(max_depths, default=0), 1)  # no shape: chains as trees
+        return propose_tree(self, seqs, max_depths, max_nodes, shape)
+
+    def propose(self, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
+        """Draft ``num_tokens[i]`` tokens for ``seqs[i]``, batched: k steps, each one forward over the requests
+        still drafting. No host read: the drafted ids stay on the device (``DraftProposal.device_ids``, with the
+        NaN/inf flags of every step in ``bad_rows``) through the target forward, and come to the host with the
+        verification result - unless a request uses penalties: their context needs the drafts so far on the
+        host, so then each step reads its tokens (``token_ids`` is then filled too)."""
+        step_tokens: list[torch.Tensor] = []  # per step: int64 [len(active)] drafted ids, on the device
+        step_probs: list[torch.Tensor | None] = []  # per step: fp32 [len(active), V_draft] q, None if all greedy
+        owners: list[int] = []  # request of each row of torch.cat(step_tokens)
+        bad_rows: list[torch.Tensor] = []  # per step: bool [len(active)] rows with NaN/inf draft logits
+        host_drafts: list[list[int]] | None = [[] for _ in seqs] if any(s.params.has_penalties for s in seqs) else None
+        active = [i for i, k in enumerate(num_tokens) if k > 0]
+        # Step 0 feeds everything the draft cache lacks (lazy prefill / catch-up) and drafts the first token.
+        items = []
+        for i in active:
+            seq = seqs[i]
+            have = self.kv_len.get(seq.seq_id, 0)
+            items.append(ForwardItem(seq.seq_id, self._in_vocab(seq.all_token_ids[have:]), have, 1))
+        input_ids = None  # after step 0: the previous step's drafts, still on the device
+        step = 0
+        while items:
+            # step 0 includes catch-up: only pure draft steps are timed (for adaptive k; no host sync)
+            timed = self.timer is not None and step > 0
+            start = self.timer.start(self.runner.device) if timed else None
+            logits = self.runner.forward(items, input_ids=input_ids)  # (len(items), V_draft)
+            if timed:
+                self.timer.stop(start, functools.partial(self.on_forward, len(items)))
+            for i in active:
+                self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
+            tokens, probs = self._sample(logits, [seqs[i] for i in active], step,
+                                         [host_drafts[i] for i in active] if host_drafts else None, bad_rows)
+            step_tokens.append(tokens)
+            step_probs.append(probs)
+            owners += active
+            if host_drafts is not None:
+                for i, t in zip(active, tokens.tolist()):  # penalties need the drafts on the host every step
+                    host_drafts[i].append(t)
+            step += 1
+            keep = [row for row, i in enumerate(active) if num_tokens[i] > step]
+            active = [active[row] for row in keep]
+            input_ids = tokens if len(keep) == len(tokens) else tokens[to_device(keep, torch.int64, tokens.device)]
+            items = [ForwardItem(seqs[i].seq_id, [UNKNOWN_ID_STANDIN], seqs[i].num_tokens + step - 1, 1)
+                     for i in active]  # the ids themselves come from input_ids
+        counts = [0] * len(seqs)
+        for i in owners:
+            counts[i] += 1
+        order = sorted(range(len(owners)), key=owners.__getitem__)  # stable: a request's rows stay in step order
+        index = to_device(order, torch.int64, self.runner.device)  # step-major rows -> request-major
+        device_ids = _gather_rows(step_tokens, index, torch.int64)
+        bad = _gather_rows(bad_rows, index, torch.bool)
+        is_onehot = [seq.params.is_greedy for seq in seqs]  # greedy drafts are deterministic: q is one-hot
+        probs = None
+        if any(q is not None for q in step_probs):  # some request samples: q of every row, request-major
+            # [sum(k_b), V_target]; a smaller draft vocabulary is zero-padded; the rows of one-hot (greedy)
+            # requests are never read (zeros where a step had only greedy rows)
+            width = next(q for q in step_probs if q is not None).shape[1]
+            rows = [q if q is not None else t.new_zeros(t.shape[0], width, dtype=torch.float32)
+                    for q, t in zip(step_probs, step_tokens)]
+            probs = F.pad(torch.cat(rows)[index], (0, self.target_vocab_size - width))
+        # request i took part in one draft forward per draft token (the first includes its catch-up)
+        return DraftProposal(host_drafts, probs, is_onehot, counts, device_ids=device_ids, bad_rows=bad,
+                             num_drafts=counts)
+
+    def _in_vocab(self, ids: list[int]) -> list[int]:
+        """``ids`` as the draft may see them: ids beyond its vocabulary replaced by ``UNKNOWN_ID_STANDIN``."""
+        if self.vocab_size >= self.target_vocab_size:
+            return ids
+        return [t if t < self.vocab_size else UNKNOWN_ID_STANDIN for t in ids]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
+                bad_rows: list[torch.Tensor]):
+        """Draw the next draft token of each row from q, the standardized draft distribution (same transform and
+        the same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts
+        so far on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into
+        ``bad_rows``, not raised, so that the check costs no host read here."""
+        per_round = self.noise_per_round
+        contexts = ([s.penalty_counts(d) if s.params.has_penalties else None for s, d in zip(seqs, drafts)]
+                    if drafts is not None else [None] * len(seqs))
+        return sample_rows(
+            logits,
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [s.num_tokens + (0 if per_round else step) for s in seqs],
+            contexts,  # ids beyond the draft's vocabulary are dropped (they have no logit to penalise)
+            round_stream(STREAM_DRAFT, step) if per_round else STREAM_DRAFT,
+            bad_rows=bad_rows,
+        )
+
+    # --- the cache after verification -----------------------------------------------------------------------
+    def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
+        """After a tree round: move each accepted path's fed nodes (they sit level by level after the root) to
+        ``ctx + 1 ..`` in the draft cache with one ``ops.kv_compact``, and let the valid length cover them. Only the
+        path's fed prefix moves (a fed node's ancestors are fed); the rest - its last node when that is a leaf at
+        the depth cap, and the bonus token - is left to the next catch-up forward. Only positions beyond each
+        request's committed KV are written, so a step that fails after this is still undone by ``discard``."""
+        src, dst = [], []
+        for request, nodes in zip(requests, accepted_nodes):
+            fed = self.tree_positions.pop(request.seq_id, None)
+            if not fed:
+                continue
+            ctx = request.num_computed  # the root's position
+            kept = 0
+            for depth, node in enumerate(nodes, start=1):
+                if node not in fed:
+                    break
+                if fed[node] != ctx + depth:
+                    src.append(self.block_manager.slot(request.seq_id, fed[node]))
+                    dst.append(self.block_manager.slot(request.seq_id, ctx + depth))
+                kept = depth
+            self.kv_len[request.seq_id] = ctx + 1 + kept
+        if src:
+            device = self.runner.device
+            ops.kv_compact(self.runner.pool.tensors, to_device(src, torch.int64, device),
+                           to_device(dst, torch.int64, device))
+
+    def rollback(self, request: RequestView, kv_len: int) -> None:
+        """A round was committed keeping ``kv_len`` tokens: the valid length is capped there and whole blocks
+        beyond it go back to the pool."""
+        self.discard(request, kv_len)
+        self.block_manager.truncate_to(request.seq_id, kv_len)
+
+    def discard(self, request: RequestView, kv_len: int) -> None:
+        """Forget draft state beyond ``kv_len`` (a step that failed: its blocks stay reserved for a retry)."""
+        if request.seq_id in self.kv_len:
+            self.kv_len[request.seq_id] = min(self.kv_len[request.seq_id], kv_len)
+        # a tree's node positions are valid only within the step that drafted it (a retried or failed step
+        # must never compact stale ones into the cache)
+        self.tree_positions.pop(request.seq_id, None)
+
+    def free(self, seq_id: int, finished: bool) -> None:
+        self.kv_len.pop(seq_id, None)
+        self.tree_positions.pop(seq_id, None)
+
+
+def _gather_rows(step_rows: list[torch.Tensor], index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.cat(step_rows)[index]`` (the rows of every step, in request order); no host read."""
+    return torch.cat(step_rows)[index] if step_rows else torch.zeros(0, dtype=dtype, device=index.device)

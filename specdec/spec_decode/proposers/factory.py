@@ -1,0 +1,67 @@
+"""The one place a proposer is built from a ``SpeculativeConfig``: every option is passed at construction, nothing
+is wired by setting attributes afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
+from specdec.model.config import ModelConfig, resolve_dtype
+from specdec.model.loader import load_model, resolve_model_path
+from specdec.model.tokenizer import Tokenizer
+from specdec.runner.forward_timer import ForwardTimer
+from specdec.spec_decode.proposers.base import ModelFreeProposer, Proposer
+from specdec.spec_decode.proposers.combined import CombinedProposer
+from specdec.spec_decode.proposers.compat import check_draft_compatible
+from specdec.spec_decode.proposers.draft_model import DraftModelProposer
+from specdec.spec_decode.proposers.draft_tree import TreeShape
+from specdec.spec_decode.proposers.ngram import NgramProposer
+from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
+
+
+def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
+                   timer: ForwardTimer | None = None,
+                   on_draft_forward: Callable[[int, float], None] | None = None) -> Proposer:
+    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram", or "combined" (a model-free
+    lookup first, the draft model for the requests it has nothing for).
+
+    Args:
+        config: the engine's config (the target model, pool sizes, device).
+        tokenizer: the target's, to check a draft model's vocabulary against (None: the model folder has none).
+        timer, on_draft_forward: adaptive k's draft timings (None when adaptive k is off).
+    Raises ``ValueError`` when the draft model cannot draft for this target (proposers/compat.py).
+    """
+    model = None
+    if spec.uses_draft_model:
+        model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward)
+    if spec.method == "draft_model":
+        return model
+    lookup = _model_free(spec, spec.combined_lookup if spec.method == "combined" else spec.method)
+    return CombinedProposer(lookup, model) if spec.method == "combined" else lookup
+
+
+def _model_free(spec: SpeculativeConfig, method: str) -> ModelFreeProposer:
+    if method == "prompt_lookup":
+        return PromptLookupProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return NgramProposer(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window)
+
+
+def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
+                      timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None
+                      ) -> DraftModelProposer:
+    path = resolve_model_path(spec.draft_model)
+    draft_config = ModelConfig.from_json(path)
+    check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
+                           config.eos_token_ids, eos_ids(path, draft_config))
+    dtype = resolve_dtype(spec.draft_dtype, draft_config, config.device) if spec.draft_dtype else config.dtype
+    # the draft writes positions up to max_model_len - 1 at most, like the target
+    max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
+    model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
+                       False if config.prepack_weights is False else None)  # its dtype may not support prepacking
+    tree_shape = None
+    if spec.uses_tree:
+        tree_shape = TreeShape(spec.tree if isinstance(spec.tree, list) else None, spec.tree_max_branch)
+    return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
+                              config.model_config.vocab_size, max_positions, tree_shape=tree_shape,
+                              noise_per_round=spec.verify == "block",  # fresh drafts every round (block_verify.py)
+                              timer=timer, on_forward=on_forward)
