@@ -1,6 +1,6 @@
-"""Persistent step state: the staging buffer, the block manager's incremental ``table_array`` / ``read_only``, and
-``ModelRunner.prepare`` against a reference that builds the metadata from Python lists the way the runner did
-before (one ``torch.tensor`` per array, ``bm.slot`` per token)."""
+"""Persistent step state: the staging buffer (its host slots used in turn), the block manager's incremental
+``table_array`` / ``read_only``, and ``ModelRunner.prepare`` against a reference that builds the metadata from
+Python lists the way the runner did before (one ``torch.tensor`` per array, ``bm.slot`` per token)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,130 @@ def test_an_empty_section_is_an_empty_tensor():
     b[:] = [1, 2]
     ta, tb = buf.to_device()
     assert ta.shape == (0,) and tb.tolist() == [1, 2]
+
+
+def _address(view: np.ndarray) -> int:
+    return view.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_slots_alternate_and_staging_the_next_forward_leaves_the_last_ones_memory_alone(separate):
+    buf = StagingBuffer("cpu", initial_bytes=256, separate_device_buffer=separate)
+    assert buf.num_slots == 2
+    staged, slots = [], []
+    for n in range(6):
+        a, b = buf.stage([(3, np.int64), (2, np.int32)])
+        slots.append(buf.slot)
+        a[:] = [n, n + 1, n + 2]
+        b[:] = [-n, 7]
+        if n:  # forward n - 1's host views and its tensors still hold what it staged, n's host side filled
+            (pa, pb), (ta, tb) = staged[n - 1]
+            assert pa.tolist() == [n - 1, n, n + 1] and pb.tolist() == [1 - n, 7]
+            assert ta.tolist() == [n - 1, n, n + 1] and tb.tolist() == [1 - n, 7]
+            assert not np.shares_memory(pa, a) and not np.shares_memory(pb, b)
+        staged.append(((a, b), buf.to_device()))
+        if n and not separate:  # the host memory itself: forward n - 1's tensors outlive forward n's copy too
+            assert staged[n - 1][1][0].tolist() == [n - 1, n, n + 1]
+    assert slots == [0, 1, 0, 1, 0, 1]
+    assert len({_address(h[0]) for (h, _) in staged[0::2]}) == 1  # a slot is reused in place (no growth here)
+    assert _address(staged[0][0][0]) != _address(staged[1][0][0])
+    assert buf.num_grows == 1 and buf.num_copies == (6 if separate else 0)
+
+
+def test_one_slot_is_the_old_single_buffer():
+    buf = StagingBuffer("cpu", initial_bytes=64, num_slots=1)
+    (a,) = buf.stage([(2, np.int64)])
+    (b,) = buf.stage([(2, np.int64)])
+    assert buf.slot == 0 and np.shares_memory(a, b)
+    with pytest.raises(ValueError, match="num_slots"):
+        StagingBuffer("cpu", num_slots=0)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_grow_keeps_every_slot_correct(separate):
+    """Growth while another slot holds the previous forward: that forward's views keep their values, a slot
+    smaller than the new capacity gets fresh memory when it is next used, and every stage lands whole."""
+    buf = StagingBuffer("cpu", initial_bytes=64, separate_device_buffer=separate)
+    (small,) = buf.stage([(4, np.int64)])  # slot 0
+    small[:] = [1, 2, 3, 4]
+    (t_small,) = buf.to_device()
+    big_n = 1000
+    (big,) = buf.stage([(big_n, np.int64)])  # slot 1: grows
+    assert buf.slot == 1 and buf.num_grows == 2 and buf.capacity >= 8 * big_n
+    big[:] = np.arange(big_n)
+    (t_big,) = buf.to_device()
+    assert small.tolist() == [1, 2, 3, 4] and t_small.tolist() == [1, 2, 3, 4]  # forward N untouched
+    assert t_big.tolist() == list(range(big_n))
+    (again, more) = buf.stage([(big_n - 10, np.int64), (3, np.int32)])  # slot 0 again: reallocated at the capacity
+    assert buf.slot == 0 and not np.shares_memory(again, small) and buf.num_grows == 2
+    again[:] = np.arange(big_n - 10)[::-1]
+    more[:] = [5, 6, 7]
+    t_again, t_more = buf.to_device()
+    assert t_again.tolist() == list(range(big_n - 10))[::-1] and t_more.tolist() == [5, 6, 7]
+    if not separate:  # (separate: one device buffer, which the next copy overwrites in stream order)
+        assert t_big.tolist() == list(range(big_n))
+    assert small.tolist() == [1, 2, 3, 4]  # the old memory lives on with its views
+    (last,) = buf.stage([(big_n, np.int64)])  # slot 1: already at the capacity, reused in place
+    assert buf.slot == 1 and np.shares_memory(last, big) and buf.num_grows == 2
+
+
+class _FakeCopyEvent:
+    """Stands in for a slot's ``torch.cuda.Event`` (no GPU here): a recorded copy lands when the test says so."""
+
+    def __init__(self):
+        self.recorded = self.done = False
+        self.waited = 0
+
+    def record(self):
+        self.recorded, self.done = True, False
+
+    def query(self) -> bool:
+        return self.done or not self.recorded
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+def test_a_stage_waits_only_for_the_copy_made_from_its_own_slot():
+    buf = StagingBuffer("cpu", initial_bytes=256, separate_device_buffer=True)
+    events = buf._events = [_FakeCopyEvent(), _FakeCopyEvent()]
+    buf.stage([(4, np.int64)])
+    buf.to_device()  # copy 1 from slot 0, not landed
+    buf.stage([(4, np.int64)])  # slot 1: does not wait for copy 1 (the single buffer did)
+    assert buf.slot == 1 and events[0].waited == 0 and buf.num_waits == 0
+    buf.to_device()  # copy 2 from slot 1
+    buf.stage([(4, np.int64)])  # slot 0 again: copy 1 must land before its memory is rewritten
+    assert buf.slot == 0 and events[0].waited == 1 and buf.num_waits == 1
+    buf.to_device()
+    events[1].done = True  # copy 2 has landed: no wait
+    buf.stage([(4, np.int64)])
+    assert buf.slot == 1 and events[1].waited == 0 and buf.num_waits == 1
+    buf.to_device()
+    events[0].done = True
+    buf.stage([(10_000, np.int64)])  # a grow: slot 0 gets fresh memory, nothing to wait for
+    assert buf.slot == 0 and events[0].waited == 1 and buf.num_waits == 1
+
+    one = StagingBuffer("cpu", initial_bytes=256, separate_device_buffer=True, num_slots=1)
+    one._events = [_FakeCopyEvent()]
+    one.stage([(4, np.int64)])
+    one.to_device()
+    one.stage([(4, np.int64)])  # one slot: every stage waits for the previous copy
+    assert one._events[0].waited == 1 and one.num_waits == 1
+
+
+def test_bool_and_uint8_sections_after_int_runs():
+    buf = StagingBuffer("cpu", initial_bytes=64, separate_device_buffer=True)
+    a, b, m, u = buf.stage([(1, np.int64), (3, np.int32), (5, np.bool_), (2, np.uint8)])
+    a[:] = [9]
+    b[:] = [1, 2, 3]
+    m[:] = [True, False, True, True, False]
+    u[:] = [255, 1]
+    ta, tb, tm, tu = buf.to_device()
+    assert tm.dtype == torch.bool and tm.tolist() == [True, False, True, True, False] and tm.is_contiguous()
+    assert tu.dtype == torch.uint8 and tu.tolist() == [255, 1] and ta.tolist() == [9] and tb.tolist() == [1, 2, 3]
+    with pytest.raises(TypeError, match="int64, int32, bool or uint8"):
+        buf.stage([(1, np.float32)])
 
 
 # --- the block manager's persistent table ----------------------------------------------------------------------
