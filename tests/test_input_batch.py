@@ -1,14 +1,17 @@
 """Persistent step state: the staging buffer (its host slots used in turn), the block manager's incremental
 ``table_array`` / ``read_only``, and ``ModelRunner.prepare`` against a reference that builds the metadata from
-Python lists the way the runner did before (one ``torch.tensor`` per array, ``bm.slot`` per token)."""
+Python lists the way the runner did before (one ``torch.tensor`` per array, ``bm.slot`` per token, the tree masks
+concatenated on their own) - and without any construct that synchronises the stream on CUDA."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from specdec.cache.block_manager import INITIAL_TABLE_ROWS, INITIAL_TABLE_WIDTH, BlockManager
 from specdec.engine.input_batch import StagingBuffer
@@ -297,7 +300,14 @@ def reference_metadata(items: list[ForwardItem], bm: BlockManager) -> dict[str, 
         seq_lens.append(item.start_pos + n)
         tables.append(bm.block_table(item.seq_id))
     width = max(len(t) for t in tables)
+    tree_mask = tree_mask_indptr = None
+    if any(item.mask is not None for item in items):  # the masks concatenated, an empty slice for a causal item
+        tree_mask = torch.cat([item.mask.reshape(-1) for item in items if item.mask is not None])
+        sizes = [0 if item.mask is None else item.mask.numel() for item in items]
+        tree_mask_indptr = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32)
     return {
+        "tree_mask": tree_mask,
+        "tree_mask_indptr": tree_mask_indptr,
         "input_ids": torch.tensor(token_ids, dtype=torch.int64),
         "positions": torch.tensor(positions, dtype=torch.int64),
         "slot_mapping": torch.tensor(slots, dtype=torch.int64),
@@ -313,7 +323,14 @@ def _prepared(runner: ModelRunner, items: list[ForwardItem]) -> dict[str, torch.
     assert meta.tree_mask is None if all(it.mask is None for it in items) else meta.tree_mask is not None
     return {"input_ids": ids, "positions": positions, "slot_mapping": meta.slot_mapping,
             "logits_indices": logits_indices, "block_tables": meta.block_tables, "seq_lens": meta.seq_lens,
-            "cu_q_lens": meta.cu_q_lens}
+            "cu_q_lens": meta.cu_q_lens, "tree_mask": meta.tree_mask, "tree_mask_indptr": meta.tree_mask_indptr}
+
+
+def same_tensor(got: torch.Tensor | None, expected: torch.Tensor | None) -> bool:
+    """Equal dtype and values (both None counts as equal); ``got`` may be on another device."""
+    if got is None or expected is None:
+        return got is None and expected is None
+    return got.dtype == expected.dtype and torch.equal(got.cpu(), expected)
 
 
 def _random_batch(rng: random.Random, bm: BlockManager, seqs: dict[int, int]) -> list[ForwardItem]:
@@ -326,9 +343,10 @@ def _random_batch(rng: random.Random, bm: BlockManager, seqs: dict[int, int]) ->
         if bm.seq_len(seq_id) < computed + n + lookahead:
             bm.append_slots(seq_id, computed + n + lookahead - bm.seq_len(seq_id))
         positions = mask = None
-        if n > 1 and rng.random() < 0.2:  # a tree window: RoPE positions by depth, a mask over the window
+        if n > 1 and rng.random() < 0.2:  # a tree window: RoPE positions by depth, a mask over the last w keys
             positions = [computed + rng.randint(0, i) for i in range(n)]
-            mask = torch.rand(n, n) < 0.5
+            w = n + rng.choice([0, 0, rng.randint(0, computed)])  # > n: a draft tree level over cached nodes
+            mask = torch.rand(n, w, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) < 0.5
         items.append(ForwardItem(seq_id, [rng.randrange(1000) for _ in range(n)], computed,
                                  rng.randint(0, n), positions, mask))
     return items
@@ -352,7 +370,7 @@ def test_prepare_equals_the_list_built_metadata_on_random_ragged_batches(block_s
         expected = reference_metadata(items, bm)
         got = _prepared(runner, items)
         for name, tensor in expected.items():
-            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+            assert same_tensor(got[name], tensor), name
         for item in items:  # commit some tokens, roll the rest back (often across a page boundary)
             seqs[item.seq_id] = item.start_pos + rng.randint(0, len(item.token_ids))
             bm.truncate_to(item.seq_id, max(seqs[item.seq_id], bm.seq_len(item.seq_id) - rng.randint(0, 9)))
@@ -381,3 +399,93 @@ def test_a_write_into_a_shared_prefix_block_is_refused_before_anything_runs():
     assert runner.prepare([ForwardItem(1, [0, 0], 8, 1)])  # its own third block: fine
     with pytest.raises(RuntimeError, match="refusing to write position 7 of sequence 1"):
         runner.prepare([ForwardItem(0, [5], 9, 1), ForwardItem(1, [0, 0, 0], 7, 1)])
+
+
+# --- no synchronising construct on the way to the device --------------------------------------------------------
+class RecordSyncingConstructs(TorchFunctionMode):
+    """Records every construct that synchronises the stream on CUDA, whatever device it runs on here (so a CPU
+    test sees what ``torch.cuda.set_sync_debug_mode`` would on a GPU): a tensor built from host data for a device
+    (``torch.tensor`` / ``as_tensor`` / ``asarray`` with ``device=``: a pageable blocking copy on CUDA), a move
+    with ``.to(device)`` / ``.to(tensor)`` / ``.cuda()`` (blocking unless pinned and non-blocking), ``copy_``
+    without ``non_blocking=True``, and host reads (``item``, ``tolist``, ``bool`` / ``int`` / ``float``,
+    ``nonzero``). ``torch.from_numpy`` and numpy writes are not torch functions: the staging path uses those."""
+
+    _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+    _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        if func in self._FACTORIES and kwargs.get("device") is not None:
+            self.seen.append(f"{name}(..., device={kwargs['device']})")
+        elif func is torch.Tensor.to and ("device" in kwargs or any(
+                isinstance(a, (str, torch.device, torch.Tensor)) for a in args[1:])):
+            self.seen.append(f"{name}{tuple(a for a in args[1:] if not isinstance(a, torch.Tensor))}")
+        elif func is torch.Tensor.cuda or (func is torch.Tensor.copy_ and not kwargs.get("non_blocking")
+                                           and not (len(args) > 2 and args[2])):
+            self.seen.append(name)
+        elif func in self._READS:
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+def _lies_in(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
+
+
+def tree_mask_batch() -> tuple[BlockManager, list[ForwardItem]]:
+    """A block manager and a batch of a target tree window (square mask, 9 entries), a draft tree level (2 new
+    tokens over 5 cached keys, 10 entries), a prefill chunk and a decode (causal: empty mask slices)."""
+    bm = BlockManager(64, 4)
+    for seq_id, n in enumerate([9, 14, 6, 5]):
+        bm.allocate(seq_id, n)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    level = torch.tensor([[1, 0, 1, 0, 1], [0, 1, 0, 1, 1]], dtype=torch.bool)
+    return bm, [ForwardItem(0, [1, 2, 3], 6, 3, [6, 7, 7], tree), ForwardItem(1, [4, 5], 12, 2, [9, 9], level),
+                ForwardItem(2, [6, 7, 8, 9], 2, 1), ForwardItem(3, [10], 4, 1)]
+
+
+@pytest.mark.parametrize("separate", [False, True])  # True: the copy a CUDA device makes
+def test_tree_masks_ride_in_the_one_staging_copy_with_no_syncing_construct(separate):
+    """A batch with a target tree window (square mask), a draft tree level (a mask wider than its new tokens), a
+    prefill chunk and a decode: ``prepare`` builds nothing with ``torch.tensor(..., device=...)``, moves nothing
+    with ``.to(device)`` and reads nothing back, and the tree mask and its offsets are views of the staging
+    buffer, like the rest of the metadata (on the device side: the forward's one copy)."""
+    bm, items = tree_mask_batch()
+    tree, level = items[0].mask, items[1].mask
+    runner = ModelRunner(None, None, bm, torch.device("cpu"))
+    runner.staging = StagingBuffer("cpu", separate_device_buffer=separate)
+    with RecordSyncingConstructs() as mode:
+        meta, ids, positions, logits_indices = runner.prepare(items)
+    assert mode.seen == [], f"prepare made constructs that synchronise the stream on CUDA: {mode.seen}"
+    staging = runner.staging
+    buffer = staging._device_buf if separate else staging._hosts[staging.slot]
+    for name, t in [("tree_mask", meta.tree_mask), ("tree_mask_indptr", meta.tree_mask_indptr),
+                    ("positions", positions), ("block_tables", meta.block_tables)]:
+        assert _lies_in(t, buffer), f"{name} is not a view of the staging buffer"
+    assert staging.num_copies == (1 if separate else 0)
+    assert meta.tree_mask.dtype == torch.bool and meta.tree_mask.is_contiguous()
+    assert meta.tree_mask.tolist() == tree.flatten().tolist() + level.flatten().tolist()
+    assert meta.tree_mask_indptr.dtype == torch.int32 and meta.tree_mask_indptr.tolist() == [0, 9, 19, 19, 19]
+    expected = reference_metadata(items, bm)
+    got = {"input_ids": ids, "positions": positions, "slot_mapping": meta.slot_mapping,
+           "logits_indices": logits_indices, "block_tables": meta.block_tables, "seq_lens": meta.seq_lens,
+           "cu_q_lens": meta.cu_q_lens, "tree_mask": meta.tree_mask, "tree_mask_indptr": meta.tree_mask_indptr}
+    for name, tensor in expected.items():
+        assert same_tensor(got[name], tensor), name
+
+
+def test_a_tree_mask_on_a_device_is_refused_before_anything_is_staged():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 6)
+    runner = ModelRunner(None, None, bm, torch.device("cpu"))
+    slot = runner.staging.slot
+    with pytest.raises(ValueError, match="must be a host tensor"):
+        runner.prepare([ForwardItem(0, [1, 2], 4, 2, [4, 5], torch.ones(2, 2, dtype=torch.bool, device="meta"))])
+    assert runner.staging.slot == slot  # nothing staged

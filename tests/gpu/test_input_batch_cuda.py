@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_input_batch import _random_batch, reference_metadata
+from test_input_batch import _random_batch, reference_metadata, same_tensor, tree_mask_batch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.engine.input_batch import StagingBuffer
@@ -76,9 +76,28 @@ def test_prepare_on_cuda_equals_the_list_built_metadata(block_size):
         meta, ids, positions, logits_indices = runner.prepare(items)
         got = {"input_ids": ids, "positions": positions, "slot_mapping": meta.slot_mapping,
                "logits_indices": logits_indices, "block_tables": meta.block_tables, "seq_lens": meta.seq_lens,
-               "cu_q_lens": meta.cu_q_lens}
+               "cu_q_lens": meta.cu_q_lens, "tree_mask": meta.tree_mask, "tree_mask_indptr": meta.tree_mask_indptr}
         for name, tensor in expected.items():
-            assert got[name].is_cuda and torch.equal(got[name].cpu(), tensor), name
+            assert got[name] is None or got[name].is_cuda, name
+            assert same_tensor(got[name], tensor), name
         for item in items:
             seqs[item.seq_id] = item.start_pos + rng.randint(0, len(item.token_ids))
             bm.truncate_to(item.seq_id, max(seqs[item.seq_id], bm.seq_len(item.seq_id) - rng.randint(0, 9)))
+
+
+def test_prepare_with_tree_masks_does_not_synchronise():
+    """The tree masks ride in the forward's one pinned, non-blocking copy: ``prepare`` passes under
+    ``torch.cuda.set_sync_debug_mode("error")`` (the masks' own pageable ``.to`` and ``torch.tensor(indptr,
+    device=...)`` raised there)."""
+    bm, items = tree_mask_batch()
+    runner = ModelRunner(None, None, bm, torch.device("cuda"))
+    expected = reference_metadata(items, bm)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):  # both slots, then the first one again
+            meta, *_ = runner.prepare(items)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert meta.tree_mask.is_cuda and same_tensor(meta.tree_mask, expected["tree_mask"])
+    assert same_tensor(meta.tree_mask_indptr, expected["tree_mask_indptr"])
