@@ -1,14 +1,17 @@
-"""Persistent step state: the staging buffer, the block manager's incremental ``table_array`` / ``read_only``, and
-``ModelRunner.prepare`` against a reference that builds the metadata from Python lists the way the runner did
-before (one ``torch.tensor`` per array, ``bm.slot`` per token)."""
+"""Persistent step state: the staging buffer (its host slots used in turn), the block manager's incremental
+``table_array`` / ``read_only``, and ``ModelRunner.prepare`` against a reference that builds the metadata from
+Python lists the way the runner did before (one ``torch.tensor`` per array, ``bm.slot`` per token, the tree masks
+concatenated on their own) - and without any construct that synchronises the stream on CUDA."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from specdec.cache.block_manager import INITIAL_TABLE_ROWS, INITIAL_TABLE_WIDTH, BlockManager
 from specdec.runner.model_runner import ForwardItem, ModelRunner
@@ -54,6 +57,130 @@ def test_an_empty_section_is_an_empty_tensor():
     b[:] = [1, 2]
     ta, tb = buf.to_device()
     assert ta.shape == (0,) and tb.tolist() == [1, 2]
+
+
+def _address(view: np.ndarray) -> int:
+    return view.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_slots_alternate_and_staging_the_next_forward_leaves_the_last_ones_memory_alone(separate):
+    buf = StagingBuffer("cpu", initial_bytes=256, separate_device_buffer=separate)
+    assert buf.num_slots == 2
+    staged, slots = [], []
+    for n in range(6):
+        a, b = buf.stage([(3, np.int64), (2, np.int32)])
+        slots.append(buf.slot)
+        a[:] = [n, n + 1, n + 2]
+        b[:] = [-n, 7]
+        if n:  # forward n - 1's host views and its tensors still hold what it staged, n's host side filled
+            (pa, pb), (ta, tb) = staged[n - 1]
+            assert pa.tolist() == [n - 1, n, n + 1] and pb.tolist() == [1 - n, 7]
+            assert ta.tolist() == [n - 1, n, n + 1] and tb.tolist() == [1 - n, 7]
+            assert not np.shares_memory(pa, a) and not np.shares_memory(pb, b)
+        staged.append(((a, b), buf.to_device()))
+        if n and not separate:  # the host memory itself: forward n - 1's tensors outlive forward n's copy too
+            assert staged[n - 1][1][0].tolist() == [n - 1, n, n + 1]
+    assert slots == [0, 1, 0, 1, 0, 1]
+    assert len({_address(h[0]) for (h, _) in staged[0::2]}) == 1  # a slot is reused in place (no growth here)
+    assert _address(staged[0][0][0]) != _address(staged[1][0][0])
+    assert buf.num_grows == 1 and buf.num_copies == (6 if separate else 0)
+
+
+def test_one_slot_is_the_old_single_buffer():
+    buf = StagingBuffer("cpu", initial_bytes=64, num_slots=1)
+    (a,) = buf.stage([(2, np.int64)])
+    (b,) = buf.stage([(2, np.int64)])
+    assert buf.slot == 0 and np.shares_memory(a, b)
+    with pytest.raises(ValueError, match="num_slots"):
+        StagingBuffer("cpu", num_slots=0)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_a_grow_keeps_every_slot_correct(separate):
+    """Growth while another slot holds the previous forward: that forward's views keep their values, a slot
+    smaller than the new capacity gets fresh memory when it is next used, and every stage lands whole."""
+    buf = StagingBuffer("cpu", initial_bytes=64, separate_device_buffer=separate)
+    (small,) = buf.stage([(4, np.int64)])  # slot 0
+    small[:] = [1, 2, 3, 4]
+    (t_small,) = buf.to_device()
+    big_n = 1000
+    (big,) = buf.stage([(big_n, np.int64)])  # slot 1: grows
+    assert buf.slot == 1 and buf.num_grows == 2 and buf.capacity >= 8 * big_n
+    big[:] = np.arange(big_n)
+    (t_big,) = buf.to_device()
+    assert small.tolist() == [1, 2, 3, 4] and t_small.tolist() == [1, 2, 3, 4]  # forward N untouched
+    assert t_big.tolist() == list(range(big_n))
+    (again, more) = buf.stage([(big_n - 10, np.int64), (3, np.int32)])  # slot 0 again: reallocated at the capacity
+    assert buf.slot == 0 and not np.shares_memory(again, small) and buf.num_grows == 2
+    again[:] = np.arange(big_n - 10)[::-1]
+    more[:] = [5, 6, 7]
+    t_again, t_more = buf.to_device()
+    assert t_again.tolist() == list(range(big_n - 10))[::-1] and t_more.tolist() == [5, 6, 7]
+    if not separate:  # (separate: one device buffer, which the next copy overwrites in stream order)
+        assert t_big.tolist() == list(range(big_n))
+    assert small.tolist() == [1, 2, 3, 4]  # the old memory lives on with its views
+    (last,) = buf.stage([(big_n, np.int64)])  # slot 1: already at the capacity, reused in place
+    assert buf.slot == 1 and np.shares_memory(last, big) and buf.num_grows == 2
+
+
+class _FakeCopyEvent:
+    """Stands in for a slot's ``torch.cuda.Event`` (no GPU here): a recorded copy lands when the test says so."""
+
+    def __init__(self):
+        self.recorded = self.done = False
+        self.waited = 0
+
+    def record(self):
+        self.recorded, self.done = True, False
+
+    def query(self) -> bool:
+        return self.done or not self.recorded
+
+    def synchronize(self):
+        self.waited += 1
+        self.done = True
+
+
+def test_a_stage_waits_only_for_the_copy_made_from_its_own_slot():
+    buf = StagingBuffer("cpu", initial_bytes=256, separate_device_buffer=True)
+    events = buf._events = [_FakeCopyEvent(), _FakeCopyEvent()]
+    buf.stage([(4, np.int64)])
+    buf.to_device()  # copy 1 from slot 0, not landed
+    buf.stage([(4, np.int64)])  # slot 1: does not wait for copy 1 (the single buffer did)
+    assert buf.slot == 1 and events[0].waited == 0 and buf.num_waits == 0
+    buf.to_device()  # copy 2 from slot 1
+    buf.stage([(4, np.int64)])  # slot 0 again: copy 1 must land before its memory is rewritten
+    assert buf.slot == 0 and events[0].waited == 1 and buf.num_waits == 1
+    buf.to_device()
+    events[1].done = True  # copy 2 has landed: no wait
+    buf.stage([(4, np.int64)])
+    assert buf.slot == 1 and events[1].waited == 0 and buf.num_waits == 1
+    buf.to_device()
+    events[0].done = True
+    buf.stage([(10_000, np.int64)])  # a grow: slot 0 gets fresh memory, nothing to wait for
+    assert buf.slot == 0 and events[0].waited == 1 and buf.num_waits == 1
+
+    one = StagingBuffer("cpu", initial_bytes=256, separate_device_buffer=True, num_slots=1)
+    one._events = [_FakeCopyEvent()]
+    one.stage([(4, np.int64)])
+    one.to_device()
+    one.stage([(4, np.int64)])  # one slot: every stage waits for the previous copy
+    assert one._events[0].waited == 1 and one.num_waits == 1
+
+
+def test_bool_and_uint8_sections_after_int_runs():
+    buf = StagingBuffer("cpu", initial_bytes=64, separate_device_buffer=True)
+    a, b, m, u = buf.stage([(1, np.int64), (3, np.int32), (5, np.bool_), (2, np.uint8)])
+    a[:] = [9]
+    b[:] = [1, 2, 3]
+    m[:] = [True, False, True, True, False]
+    u[:] = [255, 1]
+    ta, tb, tm, tu = buf.to_device()
+    assert tm.dtype == torch.bool and tm.tolist() == [True, False, True, True, False] and tm.is_contiguous()
+    assert tu.dtype == torch.uint8 and tu.tolist() == [255, 1] and ta.tolist() == [9] and tb.tolist() == [1, 2, 3]
+    with pytest.raises(TypeError, match="int64, int32, bool or uint8"):
+        buf.stage([(1, np.float32)])
 
 
 # --- the block manager's persistent table ----------------------------------------------------------------------
@@ -173,7 +300,14 @@ def reference_metadata(items: list[ForwardItem], bm: BlockManager) -> dict[str, 
         seq_lens.append(item.start_pos + n)
         tables.append(bm.block_table(item.seq_id))
     width = max(len(t) for t in tables)
+    tree_mask = tree_mask_indptr = None
+    if any(item.mask is not None for item in items):  # the masks concatenated, an empty slice for a causal item
+        tree_mask = torch.cat([item.mask.reshape(-1) for item in items if item.mask is not None])
+        sizes = [0 if item.mask is None else item.mask.numel() for item in items]
+        tree_mask_indptr = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int32)
     return {
+        "tree_mask": tree_mask,
+        "tree_mask_indptr": tree_mask_indptr,
         "input_ids": torch.tensor(token_ids, dtype=torch.int64),
         "positions": torch.tensor(positions, dtype=torch.int64),
         "slot_mapping": torch.tensor(slots, dtype=torch.int64),
@@ -189,7 +323,14 @@ def _prepared(runner: ModelRunner, items: list[ForwardItem]) -> dict[str, torch.
     assert meta.tree_mask is None if all(it.mask is None for it in items) else meta.tree_mask is not None
     return {"input_ids": ids, "positions": positions, "slot_mapping": meta.slot_mapping,
             "logits_indices": logits_indices, "block_tables": meta.block_tables, "seq_lens": meta.seq_lens,
-            "cu_q_lens": meta.cu_q_lens}
+            "cu_q_lens": meta.cu_q_lens, "tree_mask": meta.tree_mask, "tree_mask_indptr": meta.tree_mask_indptr}
+
+
+def same_tensor(got: torch.Tensor | None, expected: torch.Tensor | None) -> bool:
+    """Equal dtype and values (both None counts as equal); ``got`` may be on another device."""
+    if got is None or expected is None:
+        return got is None and expected is None
+    return got.dtype == expected.dtype and torch.equal(got.cpu(), expected)
 
 
 def _random_batch(rng: random.Random, bm: BlockManager, seqs: dict[int, int]) -> list[ForwardItem]:
@@ -202,9 +343,10 @@ def _random_batch(rng: random.Random, bm: BlockManager, seqs: dict[int, int]) ->
         if bm.seq_len(seq_id) < computed + n + lookahead:
             bm.append_slots(seq_id, computed + n + lookahead - bm.seq_len(seq_id))
         positions = mask = None
-        if n > 1 and rng.random() < 0.2:  # a tree window: RoPE positions by depth, a mask over the window
+        if n > 1 and rng.random() < 0.2:  # a tree window: RoPE positions by depth, a mask over the last w keys
             positions = [computed + rng.randint(0, i) for i in range(n)]
-            mask = torch.rand(n, n) < 0.5
+            w = n + rng.choice([0, 0, rng.randint(0, computed)])  # > n: a draft tree level over cached nodes
+            mask = torch.rand(n, w, generator=torch.Generator().manual_seed(rng.randrange(1 << 30))) < 0.5
         items.append(ForwardItem(seq_id, [rng.randrange(1000) for _ in range(n)], computed,
                                  rng.randint(0, n), positions, mask))
     return items
@@ -228,7 +370,7 @@ def test_prepare_equals_the_list_built_metadata_on_random_ragged_batches(block_s
         expected = reference_metadata(items, bm)
         got = _prepared(runner, items)
         for name, tensor in expected.items():
-            assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+            assert same_tensor(got[name], tensor), name
         for item in items:  # commit some tokens, roll the rest back (often across a page boundary)
             seqs[item.seq_id] = item.start_pos + rng.randint(0, len(item.token_ids))
             bm.truncate_to(item.seq_id, max(seqs[item.seq_id], bm.seq_len(item.seq_id) - rng.randint(0, 9)))
@@ -257,3 +399,93 @@ def test_a_write_into_a_shared_prefix_block_is_refused_before_anything_runs():
     assert runner.prepare([ForwardItem(1, [0, 0], 8, 1)])  # its own third block: fine
     with pytest.raises(RuntimeError, match="refusing to write position 7 of sequence 1"):
         runner.prepare([ForwardItem(0, [5], 9, 1), ForwardItem(1, [0, 0, 0], 7, 1)])
+
+
+# --- no synchronising construct on the way to the device --------------------------------------------------------
+class RecordSyncingConstructs(TorchFunctionMode):
+    """Records every construct that synchronises the stream on CUDA, whatever device it runs on here (so a CPU
+    test sees what ``torch.cuda.set_sync_debug_mode`` would on a GPU): a tensor built from host data for a device
+    (``torch.tensor`` / ``as_tensor`` / ``asarray`` with ``device=``: a pageable blocking copy on CUDA), a move
+    with ``.to(device)`` / ``.to(tensor)`` / ``.cuda()`` (blocking unless pinned and non-blocking), ``copy_``
+    without ``non_blocking=True``, and host reads (``item``, ``tolist``, ``bool`` / ``int`` / ``float``,
+    ``nonzero``). ``torch.from_numpy`` and numpy writes are not torch functions: the staging path uses those."""
+
+    _FACTORIES = {torch.tensor, torch.as_tensor, torch.asarray}
+    _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero, torch.nonzero}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+        if func in self._FACTORIES and kwargs.get("device") is not None:
+            self.seen.append(f"{name}(..., device={kwargs['device']})")
+        elif func is torch.Tensor.to and ("device" in kwargs or any(
+                isinstance(a, (str, torch.device, torch.Tensor)) for a in args[1:])):
+            self.seen.append(f"{name}{tuple(a for a in args[1:] if not isinstance(a, torch.Tensor))}")
+        elif func is torch.Tensor.cuda or (func is torch.Tensor.copy_ and not kwargs.get("non_blocking")
+                                           and not (len(args) > 2 and args[2])):
+            self.seen.append(name)
+        elif func in self._READS:
+            self.seen.append(name)
+        return func(*args, **kwargs)
+
+
+def _lies_in(t: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * buffer.element_size()
+    return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= end
+
+
+def tree_mask_batch() -> tuple[BlockManager, list[ForwardItem]]:
+    """A block manager and a batch of a target tree window (square mask, 9 entries), a draft tree level (2 new
+    tokens over 5 cached keys, 10 entries), a prefill chunk and a decode (causal: empty mask slices)."""
+    bm = BlockManager(64, 4)
+    for seq_id, n in enumerate([9, 14, 6, 5]):
+        bm.allocate(seq_id, n)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # a root and two children
+    level = torch.tensor([[1, 0, 1, 0, 1], [0, 1, 0, 1, 1]], dtype=torch.bool)
+    return bm, [ForwardItem(0, [1, 2, 3], 6, 3, [6, 7, 7], tree), ForwardItem(1, [4, 5], 12, 2, [9, 9], level),
+                ForwardItem(2, [6, 7, 8, 9], 2, 1), ForwardItem(3, [10], 4, 1)]
+
+
+@pytest.mark.parametrize("separate", [False, True])  # True: the copy a CUDA device makes
+def test_tree_masks_ride_in_the_one_staging_copy_with_no_syncing_construct(separate):
+    """A batch with a target tree window (square mask), a draft tree level (a mask wider than its new tokens), a
+    prefill chunk and a decode: ``prepare`` builds nothing with ``torch.tensor(..., device=...)``, moves nothing
+    with ``.to(device)`` and reads nothing back, and the tree mask and its offsets are views of the staging
+    buffer, like the rest of the metadata (on the device side: the forward's one copy)."""
+    bm, items = tree_mask_batch()
+    tree, level = items[0].mask, items[1].mask
+    runner = ModelRunner(None, None, bm, torch.device("cpu"))
+    runner.staging = StagingBuffer("cpu", separate_device_buffer=separate)
+    with RecordSyncingConstructs() as mode:
+        meta, ids, positions, logits_indices = runner.prepare(items)
+    assert mode.seen == [], f"prepare made constructs that synchronise the stream on CUDA: {mode.seen}"
+    staging = runner.staging
+    buffer = staging._device_buf if separate else staging._hosts[staging.slot]
+    for name, t in [("tree_mask", meta.tree_mask), ("tree_mask_indptr", meta.tree_mask_indptr),
+                    ("positions", positions), ("block_tables", meta.block_tables)]:
+        assert _lies_in(t, buffer), f"{name} is not a view of the staging buffer"
+    assert staging.num_copies == (1 if separate else 0)
+    assert meta.tree_mask.dtype == torch.bool and meta.tree_mask.is_contiguous()
+    assert meta.tree_mask.tolist() == tree.flatten().tolist() + level.flatten().tolist()
+    assert meta.tree_mask_indptr.dtype == torch.int32 and meta.tree_mask_indptr.tolist() == [0, 9, 19, 19, 19]
+    expected = reference_metadata(items, bm)
+    got = {"input_ids": ids, "positions": positions, "slot_mapping": meta.slot_mapping,
+           "logits_indices": logits_indices, "block_tables": meta.block_tables, "seq_lens": meta.seq_lens,
+           "cu_q_lens": meta.cu_q_lens, "tree_mask": meta.tree_mask, "tree_mask_indptr": meta.tree_mask_indptr}
+    for name, tensor in expected.items():
+        assert same_tensor(got[name], tensor), name
+
+
+def test_a_tree_mask_on_a_device_is_refused_before_anything_is_staged():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 6)
+    runner = ModelRunner(None, None, bm, torch.device("cpu"))
+    slot = runner.staging.slot
+    with pytest.raises(ValueError, match="must be a host tensor"):
+        runner.prepare([ForwardItem(0, [1, 2], 4, 2, [4, 5], torch.ones(2, 2, dtype=torch.bool, device="meta"))])
+    assert runner.staging.slot == slot  # nothing staged

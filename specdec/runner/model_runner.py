@@ -28,7 +28,7 @@ class ForwardItem:
     # Tree windows (specdec/spec_decode/tree.py). ``positions``: the RoPE position of each new token (None:
     # start_pos + i, the KV slot order). ``mask``: bool [len(token_ids), w], which of the last w key positions
     # (the new tokens are the last len(token_ids) of them) token i attends; the keys before those w are context,
-    # seen by every token. None = causal.
+    # seen by every token. None = causal. A host tensor (or numpy array): it is staged with the other metadata.
     positions: list[int] | None = None
     mask: torch.Tensor | None = None
 
@@ -36,9 +36,10 @@ class ForwardItem:
 class ModelRunner:
     """Runs ragged forwards of ``model`` on its paged ``pool``; the block tables come from ``block_manager``.
 
-    The metadata of a forward is built in a persistent :class:`StagingBuffer` (one host-to-device copy per
-    forward on CUDA, none on CPU): the slots and block tables are gathered from the block manager's persistent
-    ``table_array`` with numpy, not per token in Python (docs/architecture.md, "Model runner").
+    The metadata of a forward, tree masks included, is built in a persistent :class:`StagingBuffer` (one
+    host-to-device copy per forward on CUDA, none on CPU): the slots and block tables are gathered from the block
+    manager's persistent ``table_array`` with numpy, not per token in Python (docs/architecture.md, "Model
+    runner"). Nothing on the forward path synchronises the stream on CUDA.
     """
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, block_manager: BlockManager, device: torch.device):
@@ -125,8 +126,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         rows: list[int] = []  # each item's row of bm.table_array
         width = 0  # blocks of the longest table: the block tables' padded width
-        masks: list[torch.Tensor | None] = []
-        has_mask = False
+        masks: list[np.ndarray | None] = []  # each item's tree mask, flat, on the host
+        mask_numel = 0  # bool entries of every tree mask, packed
         cu = 0
         for item in items:
             seq_id, start = item.seq_id, item.start_pos
@@ -159,47 +160,72 @@ class ModelRunner:
             seq_lens.append(end)
             rows.append(bm.row_of(seq_id))
             width = max(width, len(table))
-            masks.append(item.mask)
-            has_mask = has_mask or item.mask is not None
+            mask = None if item.mask is None else _host_mask(item.mask)
+            masks.append(mask)
+            if mask is not None:
+                mask_numel += mask.size
+        has_mask = any(m is not None for m in masks)
 
-        # One staging buffer, one section per array; the block tables are gathered from the persistent rows.
-        sections = [(cu, np.int64), (cu, np.int64), (len(logits_indices), np.int64),
-                    (num_seqs, np.int32), (num_seqs + 1, np.int32), (num_seqs * width, np.int32)]
+        # One staging buffer, one section per array, grouped by dtype (each run of same-dtype sections is one slice
+        # on the device): int64, then int32, then the tree masks (bool). The block tables are gathered from the
+        # persistent rows.
+        sections = [(cu, np.int64), (cu, np.int64), (len(logits_indices), np.int64)]
         if with_ids:
             sections.append((cu, np.int64))
+        sections += [(num_seqs, np.int32), (num_seqs + 1, np.int32), (num_seqs * width, np.int32)]
+        if has_mask:
+            sections += [(num_seqs + 1, np.int32), (mask_numel, np.bool_)]
         staged = self.staging.stage(sections)
         staged[0][:] = positions
         staged[1][:] = slots
         staged[2][:] = logits_indices
-        staged[3][:] = seq_lens
-        staged[4][:] = cu_q_lens
-        bm.table_array[:, :width].take(rows, axis=0, out=staged[5].reshape(num_seqs, width))
+        i = 3
         if with_ids:
-            staged[6][:] = token_ids
+            staged[3][:] = token_ids
+            i = 4
+        staged[i][:] = seq_lens
+        staged[i + 1][:] = cu_q_lens
+        bm.table_array[:, :width].take(rows, axis=0, out=staged[i + 2].reshape(num_seqs, width))
+        if has_mask:
+            _pack_masks(masks, staged[i + 3], staged[i + 4])
 
-        on_device = self.staging.to_device()  # the forward's one host-to-device copy
-        dev_positions, dev_slots, dev_logits, dev_seq_lens, dev_cu, dev_tables = on_device[:6]
-        tree_mask, tree_mask_indptr = _pack_masks(masks, self.device) if has_mask else (None, None)
+        # the forward's one host-to-device copy (tree masks included); on CPU the host memory itself
+        on_device = self.staging.to_device()
+        dev_positions, dev_slots, dev_logits = on_device[:3]
+        dev_ids = on_device[3] if with_ids else None
+        dev_seq_lens, dev_cu, dev_tables = on_device[i : i + 3]
         meta = AttentionMetadata(
             slot_mapping=dev_slots,
             block_tables=dev_tables.view(num_seqs, width),
             seq_lens=dev_seq_lens,
             cu_q_lens=dev_cu,
-            tree_mask=tree_mask,
-            tree_mask_indptr=tree_mask_indptr,
+            tree_mask=on_device[i + 4] if has_mask else None,
+            tree_mask_indptr=on_device[i + 3] if has_mask else None,
         )
-        return meta, (on_device[6] if with_ids else None), dev_positions, dev_logits
+        return meta, dev_ids, dev_positions, dev_logits
 
 
-def _pack_masks(masks: list[torch.Tensor | None], device: torch.device
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The paged-attention kernel's packed tree masks: bool ``[sum(q_len_b * w_b)]`` and int32 indptr ``[B+1]``,
-    or ``(None, None)`` when no item has a mask. An item without a mask gets an empty slice (causal)."""
-    if all(m is None for m in masks):
-        return None, None
-    flat = [m.reshape(-1) for m in masks if m is not None]
-    indptr = [0]
-    for m in masks:
-        indptr.append(indptr[-1] + (m.numel() if m is not None else 0))
-    return (torch.cat(flat).to(device),
-            torch.tensor(indptr, dtype=torch.int32, device=device))
+def _pack_masks(masks: list[np.ndarray | None], indptr: np.ndarray, flat: np.ndarray) -> None:
+    """Write the paged-attention kernel's packed tree masks into staged host memory: ``flat`` bool
+    ``[sum(q_len_b * w_b)]`` (each ``[q_len_b, w_b]`` mask row-major, given flat in ``masks``) and ``indptr`` int32
+    ``[B+1]`` (sequence b's slice of ``flat``). An item without a mask gets an empty slice (causal). The masks thus
+    travel with the rest of the metadata in the forward's one copy: no pageable ``.to(device)`` and no
+    ``torch.tensor(..., device=...)``, each of which synchronises the stream on CUDA."""
+    offset = 0
+    indptr[0] = 0
+    for b, mask in enumerate(masks):
+        if mask is not None:
+            flat[offset : offset + mask.size] = mask
+            offset += mask.size
+        indptr[b + 1] = offset
+
+
+def _host_mask(mask) -> np.ndarray:
+    """A tree mask's entries as a flat numpy array (a CPU tensor's memory, not a copy); ``ValueError`` for a mask
+    on a device (reading it back would be a host sync), raised before anything is staged."""
+    if isinstance(mask, torch.Tensor):
+        if mask.device.type != "cpu":
+            raise ValueError(f"a ForwardItem's tree mask must be a host tensor, got one on {mask.device} (staging it "
+                             "would read it back: a host sync)")
+        return mask.detach().reshape(-1).numpy()
+    return np.asarray(mask).reshape(-1)

@@ -1,0 +1,125 @@
+"""Imports run one way, bottom to top (docs/architecture.md, "Layers"):
+
+    kernels/, device, outputs -> ops -> model/, cache/, sampling/ -> config, runner/ -> spec_decode/ -> engine/
+    -> llm, serve/, cli (the front ends)
+
+A module may import its own layer and the layers below it, never one above: a proposer never reaches into the
+engine, verification never imports a proposer's request type, the runner never imports speculative decoding. Every
+import in the package is read from the source (``ast``: module level and inside functions alike), so a lazy
+import inside a function cannot hide a dependency that runs back up.
+
+Checked to fail on the code before the round-as-data refactor: pointed at that tree (``check(old_root)``), it
+reports the drafters importing ``specdec.engine`` (sequence, model runner, adaptive), ``sampling/verify.py``
+importing ``specdec.drafters``, and ``specdec.drafters`` itself in no layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# bottom first; a module belongs to the layer of its longest matching prefix ("specdec", the package's own
+# __init__, matches only itself)
+LAYERS: list[tuple[str, ...]] = [
+    ("specdec.kernels", "specdec.device", "specdec.outputs"),
+    ("specdec.ops",),
+    ("specdec.model", "specdec.cache", "specdec.sampling"),
+    ("specdec.config", "specdec.runner"),
+    ("specdec.spec_decode",),
+    ("specdec.engine",),
+    ("specdec.llm", "specdec.serve", "specdec.cli", "specdec.__main__", "specdec"),
+]
+
+
+def layer_of(module: str) -> int | None:
+    best, best_len = None, -1
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            matches = module == prefix or (prefix != "specdec" and module.startswith(prefix + "."))
+            if matches and len(prefix) > best_len:
+                best, best_len = rank, len(prefix)
+    return best
+
+
+def source_modules(root: Path) -> dict[str, Path]:
+    """module name -> file, for ``specdec/`` and ``kernels/`` (installed as ``specdec.kernels``)."""
+    out = {}
+    for base, package in ((root / "specdec", "specdec"), (root / "kernels", "specdec.kernels")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, imported module) for every specdec import in ``path`` (``from specdec import ops`` names the
+    submodule ``specdec.ops``; relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("specdec")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("specdec"):
+                continue
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if sub in known else base))
+    return found
+
+
+def check(root: Path) -> list[str]:
+    """Every import that runs up the layers, and every module in no layer."""
+    modules = source_modules(root)
+    known = set(modules)
+    problems = []
+    for module, path in modules.items():
+        rank = layer_of(module)
+        if rank is None:
+            problems.append(f"{module} ({path.relative_to(root)}) is in no layer: add it to LAYERS")
+            continue
+        for line, target in imports_of(module, path, known):
+            target_rank = layer_of(target)
+            if target_rank is None:
+                problems.append(f"{path.relative_to(root)}:{line} imports {target}, which is in no layer")
+            elif target_rank > rank:
+                problems.append(f"{path.relative_to(root)}:{line} ({module}, layer {rank}) imports {target} "
+                                f"(layer {target_rank}): imports must not run up the layers")
+    return problems
+
+
+def test_imports_run_one_way():
+    problems = check(REPO)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_sees_an_import_that_runs_up(tmp_path):
+    """A planted violation - a proposer importing the engine's Sequence, inside a function - is reported."""
+    for rel in ("specdec/__init__.py", "specdec/spec_decode/__init__.py", "specdec/engine/__init__.py",
+                "specdec/engine/sequence.py", "kernels/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    (tmp_path / "specdec/spec_decode/proposer.py").write_text(
+        "def propose(seqs):\n    from specdec.engine.sequence import Sequence\n    return Sequence\n")
+    (tmp_path / "specdec/stray.py").write_text("")
+    problems = check(tmp_path)
+    assert any("proposer.py:2" in p and "specdec.engine.sequence" in p for p in problems), problems
+    assert any("specdec.stray" in p and "no layer" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("module,rank", [("specdec.spec_decode.proposers.ngram", 4), ("specdec.runner.staging", 3),
+                                         ("specdec.kernels.philox", 0), ("specdec", 6), ("specdec.ops", 1)])
+def test_layer_of(module, rank):
+    assert layer_of(module) == rank
