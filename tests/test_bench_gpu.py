@@ -59,6 +59,8 @@ def test_dry_run_from_the_repository(tmp_path):
     assert "aten::_local_scalar_dense" in (out / "profile.txt").read_text()
     kernels = json.loads((out / "kernels.json").read_text())
     assert kernels["attention"] and kernels["sampling"] and kernels["spec_sample"]
+    for row in kernels["attention"]:
+        assert row["sdpa_backend"] in row["sdpa_supported"] or row["sdpa_backend"] == "flash (cpu)", row
 
 
 def test_dry_run_without_the_install_lays_out_a_site_folder(tmp_path):

@@ -80,13 +80,17 @@ def section_kernels(kernels: dict) -> list[str]:
     copy = kernels.get("copy") or {}
     lines = ["### Kernels", "",
              f"bf16; device-to-device copy {fmt(copy.get('copy_GBps'), 0)} GB/s (read + write, {copy.get('buffer_mb')} "
-             f"MiB, {copy.get('timer')}){' - ' + copy['note'] if copy.get('note') else ''}. GB/s = compulsory bytes "
-             "(K and V once, q and out once) / time; SDPA gets the same K/V contiguous (enable_gqa).", ""]  # fmt: skip
+             f"MiB, {copy.get('timer')}){' - ' + copy['note'] if copy.get('note') else ''}. Kernel times: "
+             f"{kernels.get('timer')}. GB/s = compulsory bytes (K and V once, q and out once) / time; SDPA gets the "
+             "same K/V contiguous (enable_gqa); \"SDPA backend\" is the one that ran under torch's default selection "
+             "(its aten op in torch.profiler), \"can run\" the backends that accept the shape when forced.",
+             ""]  # fmt: skip
     rows = [[r["model"], r["batch"], r["ctx"], r["q_len"], r.get("triton_ms"), r.get("triton_GBps"),
-             r.get("triton_pct_copy"), r.get("sdpa_ms"), r.get("sdpa_GBps"), r.get("triton_over_sdpa")]
+             r.get("triton_pct_copy"), r.get("sdpa_ms"), r.get("sdpa_GBps"), r.get("sdpa_backend"),
+             "/".join(r.get("sdpa_supported") or []) or None, r.get("triton_over_sdpa")]
             for r in kernels.get("attention", [])]  # fmt: skip
     lines += table(["model", "batch", "ctx", "q_len", "Triton ms", "Triton GB/s", "% of copy", "SDPA ms", "SDPA GB/s",
-                    "SDPA ms / Triton ms"], rows)  # fmt: skip
+                    "SDPA backend", "can run", "SDPA ms / Triton ms"], rows)  # fmt: skip
     rows = [[r["op"], r["batch"], r["vocab"], r.get("triton_ms"), r.get("triton_GBps"), r.get("triton_pct_copy"),
              r.get("torch_ms")] for r in kernels.get("sampling", [])]  # fmt: skip
     lines += table(["op", "batch", "vocab", "Triton ms", "Triton GB/s", "% of copy", "torch ms"], rows)
