@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["env", "tests", "sanitizer", "kernels", "e2e"]
+STEPS = ["env", "e2e", "tests", "sanitizer", "kernels"]  # the order they run in: e2e, the headline, first
 # Removes setuptools' editable-install finder (what `pip install -e .` adds), as if specdec were not installed.
 HIDE_INSTALL = """import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
@@ -46,8 +46,10 @@ def test_dry_run_from_the_repository(tmp_path):
     assert "**Dry run**" in summary and "### Projection" in summary and "skipped: no CUDA" in summary
     assert "Real-weight acceptance measured on CPU" in summary  # bench.projection with the run's c, v(k)
     assert "CUDA graphs vs `enforce_eager=True`" in summary  # on CPU both eager: the code path, not a speedup
-    run = json.loads((out / "env.json").read_text())["run"]
+    info = json.loads((out / "env.json").read_text())
+    run = info["run"]
     assert [s["name"] for s in run["steps"]] == [*STEPS, "summary"] and all(s["exit"] == 0 for s in run["steps"])
+    assert info["TRITON_INTERPRET"] == "1" and info["cuda_probe"]["available"] is False
     e2e = json.loads((out / "e2e.json").read_text())
     assert set(e2e["pairs"]) == {"random", "damped"}
     for pair in e2e["pairs"].values():
@@ -89,3 +91,19 @@ def test_dry_run_without_the_install_lays_out_a_site_folder(tmp_path):
     assert statuses["kernels"] == statuses["e2e"] == "skipped: not selected"
     assert statuses["tests"].startswith("skipped: no CUDA") and statuses["sanitizer"].startswith("skipped: no CUDA")
     assert "tests collected" in (out / "tests.log").read_text()
+
+
+def test_a_run_without_dry_run_and_without_cuda_measures_nothing(tmp_path):
+    """No CUDA found by the orchestrator's probe: no measurement step runs (never the interpreter or the CPU under a
+    GPU run's name), the run says why and exits 1; the env step ran with TRITON_INTERPRET=0."""
+    out = tmp_path / "out"
+    env = {**clean_env("."), "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "bench.gpu", "--out", str(out), "--only", "kernels", "--budget-s", "300"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    info = json.loads((out / "env.json").read_text())
+    assert info["TRITON_INTERPRET"] == "0" and info["cuda_probe"]["available"] is False
+    statuses = {s["name"]: s["status"] for s in info["run"]["steps"]}
+    assert statuses["kernels"].startswith("not run: no CUDA") and statuses["e2e"] == "skipped: not selected"
+    assert statuses["env"] == statuses["summary"] == "ok"
+    assert not (out / "kernels.json").exists()

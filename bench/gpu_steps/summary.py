@@ -45,6 +45,7 @@ def log_lines(path: Path, pattern: str) -> list[str]:
 
 
 def section_env(env: dict, run: dict) -> list[str]:
+    probe = env.get("cuda_probe") or {}
     lines = [f"## GPU run: {env.get('device', '?')} ({run.get('date', '?')})", ""]
     if run.get("dry_run"):
         lines += ["**Dry run** (CPU, tiny shapes): proves the command and its files; no figure below is a GPU "
@@ -54,6 +55,8 @@ def section_env(env: dict, run: dict) -> list[str]:
               f"- torch {env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda_runtime')}, "
               f"Python {env.get('python')}",
               f"- git commit {env.get('git_commit')}; specdec imported from {run.get('layout', '?')}",
+              f"- CUDA probed by the orchestrator: {fmt(probe.get('available'))} ({probe.get('detail', '?')}, "
+              f"{probe.get('seconds', '?')} s); steps ran with TRITON_INTERPRET={env.get('TRITON_INTERPRET')}",
               f"- command: `{run.get('command', '?')}` (budget {run.get('budget_s', '?')} s)", ""]  # fmt: skip
     return lines
 
