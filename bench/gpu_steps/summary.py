@@ -115,18 +115,25 @@ def section_e2e(e2e: dict) -> list[str]:
     if e2e.get("failure"):
         lines += [f"**FAILED: {e2e['failure']}** (the step stops at the first run with a request that ended in error "
                   "or short of its length; the rows below are the runs before it)", ""]  # fmt: skip
-    lines += [f"draft_model, k={e2e.get('k')}, greedy, {e2e.get('dtype')}, prompts of {e2e.get('prompt_len')} random "
-              f"ids, {e2e.get('max_tokens')} new tokens (ignore_eos); per batch a warm-up run of each engine identical "
-              f"to the timed ones (every CUDA-graph bucket they use captured before timing), then the median of "
-              f"{e2e.get('reps')} interleaved runs (an odd count: the median is one run's time; `reps` column); prefix "
-              f"caching {'on' if e2e.get('prefix_caching', True) else 'off'}; tok/s = generated tokens / wall time of "
-              f"generate (prefill included). Every request of every run checked - no error, finish_reason length, "
-              f"all {e2e.get('max_tokens')} tokens: {checked} timed requests checked"
-              f"{', all complete' if not e2e.get('failure') else ''}. c and v(k) through the speculative engine's own "
-              "runners (`path`: their static forward, CUDA graphs on CUDA, as the engine runs them); the eager columns "
-              "time a fresh eager runner, as the first GPU run did. Pairs (in run order): `damped` = 1B-shaped target "
-              "whose layers >= 2 are damped, draft = its first 2 layers (known acceptance); `random` = 3B-shaped "
-              "target, independent 1B-shaped draft (they do not agree: costs only).", ""]  # fmt: skip
+    if "warm_up" not in e2e:  # an e2e.json from before the warm-up / checks / graph-path costs (the first H200 run)
+        lines += [f"An older e2e.json (draft_model, k={e2e.get('k')}, {e2e.get('max_tokens')} new tokens, median of "
+                  f"{e2e.get('reps')} runs): its warm-up, prefix caching, request checks and costs were those of the "
+                  "code that wrote it, not the ones described in docs/benchmarks.md now; no `path` means c and v(k) "
+                  "were timed through a fresh eager runner.", ""]  # fmt: skip
+    else:
+        tokens, complete = e2e.get("max_tokens"), "" if e2e.get("failure") else ", all complete"
+        lines += [f"draft_model, k={e2e.get('k')}, greedy, {e2e.get('dtype')}, prompts of {e2e.get('prompt_len')} "
+                  f"random ids, {tokens} new tokens (ignore_eos); per batch a warm-up run of each engine identical to "
+                  "the timed ones (every CUDA-graph bucket they use captured before timing), then the median of "
+                  f"{e2e.get('reps')} interleaved runs (an odd count: the median is one run's time; `reps` column); "
+                  f"prefix caching {'on' if e2e.get('prefix_caching', True) else 'off'}; tok/s = generated tokens / "
+                  "wall time of generate (prefill included). Every request of every run checked - no error, "
+                  f"finish_reason length, all {tokens} tokens: {checked} timed requests checked{complete}. c and v(k) "
+                  "through the speculative engine's own runners (`path`: their static forward, CUDA graphs on CUDA, as "
+                  "the engine runs them); the eager columns time a fresh eager runner, as the first GPU run did. Pairs "
+                  "(in run order): `damped` = 1B-shaped target whose layers >= 2 are damped, draft = its first 2 "
+                  "layers (known acceptance); `random` = 3B-shaped target, independent 1B-shaped draft (they do not "
+                  "agree: costs only).", ""]  # fmt: skip
     if e2e.get("not_run"):
         lines += [f"Not run (out of time): {', '.join(e2e['not_run'])}.", ""]
     rows = []
@@ -179,11 +186,17 @@ def section_e2e(e2e: dict) -> list[str]:
     if profile:
         from bench.gpu_steps.e2e import PROFILE_EVENTS
 
-        counts = profile.get("counts") or profile.get("event_counts") or {}
-        lines += [f"Profile of one speculative round ({profile['pair']} pair, batch {profile['batch']}; events inside "
-                  f"{profile.get('window', '?')}; top ops in profile.txt): {profile.get('host_waits', '?')} host "
-                  "waits - " + ", ".join(f"{PROFILE_EVENTS.get(k, k)} x{v}" for k, v in counts.items()),
-                  ""]  # fmt: skip
+        counts = profile.get("counts") or {}
+        if "event_counts" in profile:  # the older rule: names by prefix (cudaMemcpy* included async copies)
+            lines += [f"Profile of one speculative round ({profile['pair']} pair, batch {profile['batch']}), counted "
+                      "by the older rule (every event whose name starts with the key, the bench's own closing "
+                      "synchronize included): " + ", ".join(f"{k} x{v}" for k, v in profile["event_counts"].items()),
+                      ""]  # fmt: skip
+        if counts:
+            lines += [f"Profile of one speculative round ({profile['pair']} pair, batch {profile['batch']}; events "
+                      f"inside {profile.get('window', '?')}; top ops in profile.txt): {profile.get('host_waits', '?')} "
+                      "host waits - " + ", ".join(f"{PROFILE_EVENTS.get(k, k)} x{v}" for k, v in counts.items()),
+                      ""]  # fmt: skip
     return lines
 
 
