@@ -12,9 +12,9 @@ finds no CUDA the measurement steps are not run at all (recorded as such, exit 1
 never measures the Triton interpreter or the CPU. Each step is its own subprocess with its own time limit, so a
 hang or crash loses only that step; the limits share ``--budget-s`` (default 1500 s) by weight, and time a step
 leaves unused goes to the steps after it. Steps, in this order: env (always), e2e (the headline: first, and with
-``--budget-s 560`` about 350 s of it, enough for the whole step in one 600 s device call), tests, sanitizer,
-kernels, then summary (always); ``--only`` picks among e2e, tests, sanitizer and kernels (e.g. ``--only tests
-sanitizer kernels`` for a second call). At most 8 files in DIR:
+``--budget-s 560`` about 350 s of it; its GPU plan is sized to fit one 600 s device call - an estimate, not yet
+measured), tests, sanitizer, kernels, then summary (always); ``--only`` picks among e2e, tests, sanitizer and
+kernels (e.g. ``--only tests sanitizer kernels`` for a second call). At most 8 files in DIR:
 
   summary.md    the run as Markdown: device, versions, commit, each step's status / exit code / time, tables
   env.json      machine and versions, the CUDA probe, and the run record (steps, limits, layout)
