@@ -141,6 +141,23 @@ def machine_info() -> dict:
     }
 
 
+# what bench.projection's roofline needs of a model's config.json (the weights a decode forward streams)
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "intermediate_size", "vocab_size", "tie_word_embeddings")  # fmt: skip
+
+
+def model_sizes(path: str | None) -> dict | None:
+    """The ``SIZE_KEYS`` of the model folder's ``config.json`` (None without a path or a readable file): recorded
+    in a result's meta so the result carries the sizes it was measured with, whatever is cached later."""
+    if not path:
+        return None
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return {key: config[key] for key in SIZE_KEYS if key in config}
+
+
 def set_threads(threads: int) -> None:
     """One thread count for every engine in the run (torch intra-op; inter-op too where torch still allows)."""
     torch.set_num_threads(threads)

@@ -52,6 +52,7 @@ from bench.common import (
     load_prompts,
     machine_info,
     median,
+    model_sizes,
     print_table,
     resolve_model,
     set_threads,
@@ -417,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         f"T{args.temperature:g}", f"t{args.threads}",
     ]))
     path = write_json(name, {
-        "meta": {**meta, "target": target_path, "draft": draft_path, "method": args.method,
+        "meta": {**meta, "target": target_path, "draft": draft_path, "target_config": model_sizes(target_path),
+                 "draft_config": model_sizes(draft_path), "method": args.method,
                  "adaptive": args.adaptive, "verify": args.verify, "k": args.k, "temperature": args.temperature,
                  "batch": args.batch,
                  "max_tokens": args.max_tokens, "reps": args.reps, "dtype": args.dtype, "threads": args.threads,

@@ -5,22 +5,32 @@
 Runs from the repository alone (no pip install): if ``specdec.kernels`` cannot be imported (``kernels/`` is only
 mapped to ``specdec.kernels`` by an install), it lays out a temporary site folder - a copy of ``specdec/`` with
 ``kernels/`` as ``specdec/kernels/`` - and runs every step with ``PYTHONPATH=<site>:<repo>/tests:<repo>``, from
-a scratch working directory (so the repository's own ``specdec/`` never shadows the site's). On CUDA
-``TRITON_INTERPRET=0``. Each step is its own subprocess with its own time limit, so a hang or crash loses only
-that step; the limits share ``--budget-s`` (default 1500 s) by weight, and time a step leaves unused goes to the
-steps after it. Steps: env (always), tests, sanitizer, kernels, e2e, then summary (always). At most 8 files in DIR:
+a scratch working directory (so the repository's own ``specdec/`` never shadows the site's). Whether there is a GPU
+is asked by this process itself (``torch.cuda.is_available()`` in a subprocess, up to 240 s: a cold VM can take a
+minute), never by a step. Without ``--dry-run`` every step runs with ``TRITON_INTERPRET=0``, and if the probe
+finds no CUDA the measurement steps are not run at all (recorded as such, exit 1): a run without ``--dry-run``
+never measures the Triton interpreter or the CPU. Each step is its own subprocess with its own time limit, so a
+hang or crash loses only that step; the limits share ``--budget-s`` (default 1500 s) by weight, and time a step
+leaves unused goes to the steps after it. Steps, in this order: env (always), e2e (the headline: first, and with
+``--budget-s 560`` about 350 s of it; its GPU plan is sized to fit one 600 s device call - an estimate, not yet
+measured), tests, sanitizer, kernels, then summary (always); ``--only`` picks among e2e, tests, sanitizer and
+kernels (e.g. ``--only tests sanitizer kernels`` for a second call). At most 8 files in DIR:
 
   summary.md    the run as Markdown: device, versions, commit, each step's status / exit code / time, tables
-  env.json      machine and versions, and the run record (steps, limits, layout)
+  env.json      machine and versions, the CUDA probe, and the run record (steps, limits, layout)
+  e2e.json      plain vs speculative tok/s (median of 5 runs, every request checked), acceptance, tau, c, v(k)
+                through the engine's CUDA graphs, static-forward counters of every runner, at batch 1/8/64; fp32
+                greedy identity
+  profile.txt   torch.profiler of one speculative round at batch 8 (host waits counted by kind, top ops)
   tests.log     pytest -m gpu tests/gpu and tests/kernels -k "cuda and not gpu_compile", compiled for real
   sanitizer.log compute-sanitizer memcheck over bench/gpu_steps/sanitize.py (every kernel once)
-  kernels.json  bandwidth vs a measured device-to-device copy; paged attention vs SDPA on contiguous KV
-  e2e.json      plain vs speculative tok/s, acceptance, tau, c, v(k) at batch 1/8/64; fp32 greedy identity
-  profile.txt   torch.profiler of one speculative round at batch 8 (host-sync event counts, top ops)
-  steps.log     the env, kernels, e2e and summary steps' output
+  kernels.json  bandwidth vs a measured device-to-device copy; paged attention vs SDPA (the backend that ran
+                recorded) on contiguous KV; do_bench medians
+  steps.log     the env, e2e, kernels and summary steps' output
 
-``--dry-run`` runs the same steps on CPU (CUDA hidden) with tiny shapes in seconds; what needs CUDA says
-"skipped: no CUDA". Nothing but the standard library is imported here, so this file runs whatever is installed.
+``--dry-run`` runs the same steps on CPU (CUDA hidden, ``TRITON_INTERPRET=1``) with tiny shapes in seconds; what
+needs CUDA says "skipped: no CUDA". Nothing but the standard library is imported here, so this file runs whatever
+is installed.
 """
 
 from __future__ import annotations
@@ -38,16 +48,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# name -> (weight: share of the budget, dry-run limit in seconds)
+# name -> (weight: share of the budget, dry-run limit in seconds), in the order the steps run. With --budget-s 560
+# e2e gets ~350 s (its GPU plan needs ~200-250 s; what it leaves goes to the others, then --only for the rest).
 STEPS = {
     "env": (30, 60),
-    "tests": (330, 120),
-    "sanitizer": (150, 120),
-    "kernels": (210, 120),
-    "e2e": (740, 240),
+    "e2e": (1000, 240),
+    "tests": (250, 120),
+    "sanitizer": (100, 120),
+    "kernels": (150, 120),
     "summary": (40, 60),
 }
-OPTIONAL = ["tests", "sanitizer", "kernels", "e2e"]
+OPTIONAL = ["e2e", "tests", "sanitizer", "kernels"]
+ENV_FLOOR_S = 60.0  # importing torch and triton cold on a fresh VM
+NO_CUDA = "not run: no CUDA (the orchestrator's probe found none); on a machine without a GPU use --dry-run"
 LOGS = {"tests": "tests.log", "sanitizer": "sanitizer.log"}  # the others append to steps.log
 
 
@@ -78,15 +91,19 @@ def kernels_importable(pythonpath: list[str], cwd: str) -> bool:
     return probe.returncode == 0
 
 
-def probe_cuda(env: dict, cwd: str) -> bool:
+def probe_cuda(env: dict, cwd: str, timeout: float = 240) -> dict:
     """Whether torch sees a GPU, asked by the orchestrator itself with a generous limit (a cold VM can take
-    a minute to import torch and initialise CUDA). The env step only records facts; it never decides this."""
+    a minute to import torch and initialise CUDA). The env step only records facts; it never decides this.
+    Returns ``{"available": bool, "seconds": float, "detail": str}``."""
+    start = time.time()
     try:
         probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"], cwd=cwd,
-                               env=env, capture_output=True, text=True, timeout=240)  # fmt: skip
+                               env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
-        return False
-    return probe.returncode == 0 and probe.stdout.strip().endswith("True")
+        return {"available": False, "seconds": round(time.time() - start, 1), "detail": f"timed out after {timeout} s"}
+    available = probe.returncode == 0 and probe.stdout.strip().endswith("True")
+    detail = probe.stdout.strip()[-200:] if probe.returncode == 0 else f"exit {probe.returncode}: {probe.stderr[-300:]}"
+    return {"available": available, "seconds": round(time.time() - start, 1), "detail": detail}
 
 
 def make_site() -> Path:
@@ -150,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.dry_run:
         env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    else:  # never the interpreter on a real run, whatever the caller's environment says
+        env["TRITON_INTERPRET"] = "0"
     base = [str(REPO / "tests"), str(REPO)]
     scratch = tempfile.mkdtemp(prefix="specdec_gpu_cwd_")
     site = None
@@ -165,14 +184,22 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[dict] = []
     env_info: dict = {}
-    cuda = False if args.dry_run else probe_cuda(env, scratch)
-    print(f"[bench.gpu] CUDA available (probed by the orchestrator): {cuda}", flush=True)
+    probe = {"available": False, "seconds": 0, "detail": "not probed: --dry-run hides CUDA"}
+    if not args.dry_run:
+        probe = probe_cuda(env, scratch)
+    cuda = probe["available"]
+    print(f"[bench.gpu] CUDA available (probed by the orchestrator): {cuda} ({probe['detail']}, {probe['seconds']} s)",
+          flush=True)  # fmt: skip
     for i, name in enumerate(selected):
+        if name in OPTIONAL and not args.dry_run and not cuda:
+            records.append({"name": name, "status": NO_CUDA, "exit": None, "seconds": 0, "limit_s": None})
+            print(f"[bench.gpu] {name}: {NO_CUDA}", flush=True)
+            continue
         left = budget - (time.time() - began)
         weights = [STEPS[s][0] for s in selected[i:]]
         limit = max(10.0, left * STEPS[name][0] / sum(weights))
         if name == "env" and not args.dry_run:
-            limit = max(limit, 60.0)  # importing torch and triton cold on a fresh VM
+            limit = max(limit, ENV_FLOOR_S)
         if args.dry_run:
             limit = min(limit, STEPS[name][1]) if args.budget_s else STEPS[name][1]
         module = "bench.gpu_steps.sanitize" if name == "sanitizer" else f"bench.gpu_steps.{name}"
@@ -182,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         if name == "summary":
             cmd += ["--alpha", *map(str, args.alpha)]
         step_env = dict(env)
-        if name != "env" and not args.dry_run:
-            step_env["TRITON_INTERPRET"] = "0" if cuda else "1"
         forced_status = None
         if name == "sanitizer":
             cmd, forced_status = sanitizer_cmd(cmd, env_info, cuda)
@@ -198,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "env":
             env_info = load_json(out / "env.json")
             env_info["cuda_probed_by_orchestrator"] = cuda
+            env_info["cuda_probe"] = probe
         if name != "summary":  # if this process is killed (an outer time limit), the steps so far are on record
             write_run_record(out, env_info, records, args, budget, where)
             fallback_summary(out, records, "interrupted: the summary step has not run")

@@ -7,8 +7,12 @@ target forward of k + 1 tokens / of 1 token: properties of the device). This scr
 - acceptance, tau, the share f of steps that speculated and the mean draft length k_bar come from ``bench.e2e``
   result files measured on this CPU (``bench/results/e2e_*.json``, default: the Qwen2.5-Coder 1.5B/0.5B draft-model
   run and the SmolLM2-135M prompt-lookup run);
+- the model sizes the roofline needs come from the result file itself (``meta["target_config"]`` /
+  ``meta["draft_config"]``, recorded by ``bench.e2e`` since these fields exist), else from ``KNOWN_CONFIGS`` (the
+  published configs of the models the recorded runs used), else from the model folder's ``config.json``; never
+  silently from nothing (a draft model whose sizes are unknown is an error, not c = 0);
 - c and v(k) come from a GPU run of ``python -m bench.gpu`` (``--gpu-e2e DIR/e2e.json``: the Llama-3.2-3B/1B-shaped
-  random pair at batch 1, whose size ratio 0.385 is close to the Qwen pair's 0.33) when one exists, and otherwise
+  random pair at batch 1, whose size ratio 0.385 is close to the Qwen pair's 0.32) when one exists, and otherwise
   from a **memory roofline**: at batch 1 a decode forward streams every weight once, so c = draft bytes / target
   bytes and v(k) = 1 (k + 1 tokens read the same weights; far from compute-bound). The roofline ignores kernel
   launches and host work, which on a GPU are of the same order as a 1B model's forward without CUDA graphs, so it
@@ -41,6 +45,19 @@ LLAMA_3_2 = {
                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
     "3B": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+}
+
+
+# The published config.json values (the Qwen/Qwen2.5-Coder-*-Instruct repositories; the same shapes as
+# bench/dtype/linear.py's qw_* rows) of the models the recorded runs in bench/results used, by folder name: the
+# recorded results predate meta["target_config"], and the folders they name live in a cache a new machine lacks.
+KNOWN_CONFIGS = {
+    "Qwen2.5-Coder-1.5B-Instruct": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                                        tie_word_embeddings=True),
+    "Qwen2.5-Coder-0.5B-Instruct": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936,
+                                        tie_word_embeddings=True),
 }
 
 
@@ -79,8 +96,24 @@ def read_config(path: str | None) -> dict | None:
         return None
     try:
         return json.loads((Path(path) / "config.json").read_text())
-    except OSError:
+    except (OSError, ValueError):
         return None
+
+
+def model_config(meta: dict, role: str) -> dict | None:
+    """The sizes of a result's ``role`` model ("target" or "draft"): recorded in ``meta``, else ``KNOWN_CONFIGS`` by
+    folder name, else the folder's ``config.json``. None when the result has no such model (a model-free drafter);
+    ``ValueError`` when it has one whose sizes are nowhere."""
+    path = meta.get(role)
+    if not path:
+        return None
+    found = meta.get(f"{role}_config") or KNOWN_CONFIGS.get(os.path.basename(os.path.normpath(path))) or \
+        read_config(path)
+    if not found:
+        raise ValueError(f"no sizes for the {role} model {path}: the result does not record {role}_config, "
+                         f"bench.projection.KNOWN_CONFIGS does not know {os.path.basename(path)!r} and "
+                         f"{path}/config.json is not readable")
+    return found
 
 
 def project(result_path: Path, costs_for) -> list[dict]:
@@ -130,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 if gpu is None else {**gpu, "c": 0.0}
         if gpu is not None:
             return gpu
-        return roofline_costs(read_config(meta["target"]), read_config(meta["draft"]), k)
+        return roofline_costs(model_config(meta, "target"), model_config(meta, "draft"), k)
 
     rows = [row for path in args.results for row in project(path, costs_for)]
     llama_c = streamed_parameters(LLAMA_3_2["1B"]) / streamed_parameters(LLAMA_3_2["3B"])

@@ -111,3 +111,46 @@ def copy_bandwidth_gbps(megabytes: int, reps: int = 20) -> dict:
     ms = event_ms(lambda: dst.copy_(src), reps=reps)
     return {"buffer_mb": megabytes, "ms": ms, "copy_GBps": 2 * src.numel() * 4 / (ms * 1e-3) / 1e9,
             "timer": "cuda events (median)" if torch.cuda.is_available() else "perf_counter (median)"}
+
+
+# --- the engine's model runners --------------------------------------------------------------------------------
+# The steps read the engine's runners (static-forward counters, the graph-path costs) through these two functions
+# only: the one place to follow the engine's internals when they move.
+def runners(engine) -> dict:
+    """The ``ModelRunner``s of an ``LLMEngine`` by role: ``"target"`` always, ``"draft"`` when a draft model drafts
+    (the draft model's own runner, on its own pool)."""
+    found = {"target": engine.runner}
+    draft_model = engine.speculative.draft_model if engine.speculative is not None else None
+    if draft_model is not None:
+        found["draft"] = draft_model.runner
+    return found
+
+
+def static_stats(engine) -> dict[str, dict]:
+    """Per runner (``runners``), cumulative: the static-forward mode (``"cuda_graph"`` on CUDA, None when every
+    forward is eager), its forwards, the static replays, the fallbacks (uniform batches no bucket served), the eager
+    forwards (everything not replayed: prefill, ragged and mixed batches, fallbacks) and the buckets captured."""
+    stats = {}
+    for role, runner in runners(engine).items():
+        static = runner.static
+        replays = static.num_replays if static is not None else 0
+        stats[role] = {"mode": static.mode if static is not None else None, "forwards": runner.num_forwards,
+                       "replays": replays, "fallbacks": static.num_fallbacks if static is not None else 0,
+                       "eager_forwards": runner.num_forwards - replays,
+                       "buckets": len(static._batches) if static is not None else 0}  # fmt: skip
+    return stats
+
+
+def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """``static_stats`` counted between two snapshots (``buckets``: captured in between). A runner whose static
+    forward was turned off in between (a failed capture: the runner logs a warning) says so in ``note``."""
+    delta = {}
+    for role, now in after.items():
+        then = before.get(role, {})
+        row = {"mode": now["mode"], **{key: now[key] - then.get(key, 0) for key in
+                                       ("forwards", "replays", "fallbacks", "eager_forwards", "buckets")}}
+        if then.get("mode") != now["mode"]:
+            row = {**row, "replays": None, "fallbacks": None, "eager_forwards": None, "buckets": None,
+                   "note": f"static forward {then.get('mode')} -> {now['mode']} in between (a failed capture?)"}
+        delta[role] = row
+    return delta

@@ -4,18 +4,23 @@ against torch SDPA on contiguous KV of the same shape (kernels.json).
 Attention: Llama-3.2-1B heads (32 q / 8 kv, head dim 64) and 3B (24 / 8 / 128), bf16, batch 1/8/64, context
 512/2k/8k, a decode (q_len 1) and a k=4 verification window (q_len 5). The Triton kernel reads a shuffled paged
 cache (``bench.kernels.bench_attention.make_inputs``); SDPA gets the same K/V contiguous ``[B, Hkv, ctx, D]`` with
-``enable_gqa`` (a causal bool mask for the window). Bytes are ``bench_attention.bytes_moved`` (K and V once, q
-and out once). Sampling: ``bench_sampling_filters`` cases (softmax, top-k/top-p) and ``bench_spec_sample.run``
-(fused verification vs the torch sequence), vocab 128256. Times: ``triton.testing.do_bench`` on CUDA.
+``enable_gqa`` (a causal bool mask for the window); each row records the SDPA backend that ran (``sdpa_backend``:
+the ``aten::_scaled_dot_product_*`` op torch.profiler saw under the default selection) and the backends that accept
+the shape when forced one at a time (``sdpa_supported``). Bytes are ``bench_attention.bytes_moved`` (K and V once,
+q and out once). Sampling: ``bench_sampling_filters`` cases (softmax, top-k/top-p) and ``bench_spec_sample.run``
+(fused verification vs the torch sequence), vocab 128256. Times: ``triton.testing.do_bench(...,
+return_mode="median")`` on CUDA (its default is the mean).
 Dry run: CPU, tiny shapes, torch references only; Triton columns and the copy ratio say "skipped: no CUDA".
 """
 
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.gpu_steps.common import copy_bandwidth_gbps, event_ms, out_of_time, parse_args, write_json
 from bench.kernels import bench_attention, bench_sampling_filters, bench_spec_sample
@@ -24,6 +29,45 @@ from specdec.kernels.paged_attention import paged_attention, paged_attention_ref
 
 def time_ms(fn, cuda: bool) -> float:
     return bench_attention.time_ms(fn, "cuda") if cuda else event_ms(fn, reps=3, warmup=1)
+
+
+# the op each backend dispatches to (a substring of the profiler's event name), in the order they are looked for
+SDPA_OPS = (("_scaled_dot_product_cudnn_attention", "cudnn"),
+            ("_scaled_dot_product_flash_attention_for_cpu", "flash (cpu)"),
+            ("_scaled_dot_product_flash_attention", "flash"),
+            ("_scaled_dot_product_efficient_attention", "efficient"),
+            ("_scaled_dot_product_fused_attention_overrideable", "overrideable"),
+            ("_scaled_dot_product_attention_math", "math"))  # fmt: skip
+FORCEABLE = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+
+
+def sdpa_backend(fn) -> str:
+    """The SDPA backend ``fn`` (one ``scaled_dot_product_attention`` call) runs under torch's default selection,
+    read from the aten op torch.profiler records for it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = {e.name for e in prof.events()}
+    for op, label in SDPA_OPS:
+        if any(op in name for name in names):
+            return label
+    return "unknown (no aten::_scaled_dot_product_* op recorded)"
+
+
+def sdpa_supported(fn) -> list[str]:
+    """The backends that run ``fn`` when forced one at a time (``torch.nn.attention.sdpa_kernel``)."""
+    ok = []
+    for label, backend in FORCEABLE.items():
+        try:
+            with warnings.catch_warnings(), sdpa_kernel([backend]):
+                warnings.simplefilter("ignore")  # "... kernel not used because ..." for each refusal
+                fn()
+            ok.append(label)
+        except (RuntimeError, NotImplementedError, ValueError):  # "No available kernel", unsupported dtype / shape
+            pass
+    return ok
 
 
 def sdpa_inputs(paged: tuple, batch: int, ctx: int, q_len: int):
@@ -46,7 +90,10 @@ def attention_row(model: str, batch: int, ctx: int, q_len: int, cuda: bool, copy
     nbytes = bench_attention.bytes_moved(batch, ctx, q_len, hq, hkv, d, dtype)
     qb, k, v, mask = sdpa_inputs(paged, batch, ctx, q_len)
     row = {"model": model, "batch": batch, "ctx": ctx, "q_len": q_len, "dtype": "bfloat16", "bytes": nbytes}
-    row["sdpa_ms"] = time_ms(lambda: F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True), cuda)
+    sdpa = lambda: F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)
+    row["sdpa_ms"] = time_ms(sdpa, cuda)
+    row["sdpa_backend"] = sdpa_backend(sdpa)
+    row["sdpa_supported"] = sdpa_supported(sdpa)
     row["sdpa_GBps"] = nbytes / (row["sdpa_ms"] * 1e6)
     if cuda:
         row["triton_ms"] = time_ms(lambda: paged_attention(*paged), cuda)
@@ -101,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         torch.set_num_threads(1)
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16",
-                    "timer": "triton.testing.do_bench (median)" if cuda else "perf_counter (median)",
+                    "timer": "triton.testing.do_bench (return_mode='median')" if cuda else "perf_counter (median)",
                     "copy": None, "attention": [], "sampling": [], "spec_sample": []}  # fmt: skip
 
     def save() -> None:

@@ -45,6 +45,7 @@ def log_lines(path: Path, pattern: str) -> list[str]:
 
 
 def section_env(env: dict, run: dict) -> list[str]:
+    probe = env.get("cuda_probe") or {}
     lines = [f"## GPU run: {env.get('device', '?')} ({run.get('date', '?')})", ""]
     if run.get("dry_run"):
         lines += ["**Dry run** (CPU, tiny shapes): proves the command and its files; no figure below is a GPU "
@@ -54,6 +55,8 @@ def section_env(env: dict, run: dict) -> list[str]:
               f"- torch {env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda_runtime')}, "
               f"Python {env.get('python')}",
               f"- git commit {env.get('git_commit')}; specdec imported from {run.get('layout', '?')}",
+              f"- CUDA probed by the orchestrator: {fmt(probe.get('available'))} ({probe.get('detail', '?')}, "
+              f"{probe.get('seconds', '?')} s); steps ran with TRITON_INTERPRET={env.get('TRITON_INTERPRET')}",
               f"- command: `{run.get('command', '?')}` (budget {run.get('budget_s', '?')} s)", ""]  # fmt: skip
     return lines
 
@@ -80,13 +83,17 @@ def section_kernels(kernels: dict) -> list[str]:
     copy = kernels.get("copy") or {}
     lines = ["### Kernels", "",
              f"bf16; device-to-device copy {fmt(copy.get('copy_GBps'), 0)} GB/s (read + write, {copy.get('buffer_mb')} "
-             f"MiB, {copy.get('timer')}){' - ' + copy['note'] if copy.get('note') else ''}. GB/s = compulsory bytes "
-             "(K and V once, q and out once) / time; SDPA gets the same K/V contiguous (enable_gqa).", ""]  # fmt: skip
+             f"MiB, {copy.get('timer')}){' - ' + copy['note'] if copy.get('note') else ''}. Kernel times: "
+             f"{kernels.get('timer')}. GB/s = compulsory bytes (K and V once, q and out once) / time; SDPA gets the "
+             "same K/V contiguous (enable_gqa); \"SDPA backend\" is the one that ran under torch's default selection "
+             "(its aten op in torch.profiler), \"can run\" the backends that accept the shape when forced.",
+             ""]  # fmt: skip
     rows = [[r["model"], r["batch"], r["ctx"], r["q_len"], r.get("triton_ms"), r.get("triton_GBps"),
-             r.get("triton_pct_copy"), r.get("sdpa_ms"), r.get("sdpa_GBps"), r.get("triton_over_sdpa")]
+             r.get("triton_pct_copy"), r.get("sdpa_ms"), r.get("sdpa_GBps"), r.get("sdpa_backend"),
+             "/".join(r.get("sdpa_supported") or []) or None, r.get("triton_over_sdpa")]
             for r in kernels.get("attention", [])]  # fmt: skip
     lines += table(["model", "batch", "ctx", "q_len", "Triton ms", "Triton GB/s", "% of copy", "SDPA ms", "SDPA GB/s",
-                    "SDPA ms / Triton ms"], rows)  # fmt: skip
+                    "SDPA backend", "can run", "SDPA ms / Triton ms"], rows)  # fmt: skip
     rows = [[r["op"], r["batch"], r["vocab"], r.get("triton_ms"), r.get("triton_GBps"), r.get("triton_pct_copy"),
              r.get("torch_ms")] for r in kernels.get("sampling", [])]  # fmt: skip
     lines += table(["op", "batch", "vocab", "Triton ms", "Triton GB/s", "% of copy", "torch ms"], rows)
@@ -101,29 +108,75 @@ def section_kernels(kernels: dict) -> list[str]:
 def section_e2e(e2e: dict) -> list[str]:
     if not e2e:
         return ["### End to end", "", "no e2e.json (the step failed or was not selected)", ""]
-    lines = ["### End to end", "",
-             f"draft_model, k={e2e.get('k')}, greedy, {e2e.get('dtype')}, prompts of {e2e.get('prompt_len')} random "
-             f"ids, {e2e.get('max_tokens')} new tokens (ignore_eos), median of {e2e.get('reps')} interleaved runs; "
-             "tok/s = generated tokens / wall time of generate (prefill included). Pairs: `random` = 3B-shaped "
-             "target, independent 1B-shaped draft (they do not agree); `damped` = 1B-shaped target whose layers >= 2 "
-             "are damped, draft = its first 2 layers (known acceptance).", ""]  # fmt: skip
+    pairs = e2e.get("pairs", {})
+    rows_all = [r for entry in pairs.values() for r in entry.get("batches", {}).values()]
+    checked = sum(r.get("requests_checked", 0) for r in rows_all)
+    lines = ["### End to end", ""]
+    if e2e.get("failure"):
+        lines += [f"**FAILED: {e2e['failure']}** (the step stops at the first run with a request that ended in error "
+                  "or short of its length; the rows below are the runs before it)", ""]  # fmt: skip
+    if "warm_up" not in e2e:  # an e2e.json from before the warm-up / checks / graph-path costs (the first H200 run)
+        lines += [f"An older e2e.json (draft_model, k={e2e.get('k')}, {e2e.get('max_tokens')} new tokens, median of "
+                  f"{e2e.get('reps')} runs): its warm-up, prefix caching, request checks and costs were those of the "
+                  "code that wrote it, not the ones described in docs/benchmarks.md now; no `path` means c and v(k) "
+                  "were timed through a fresh eager runner.", ""]  # fmt: skip
+    else:
+        tokens, complete = e2e.get("max_tokens"), "" if e2e.get("failure") else ", all complete"
+        lines += [f"draft_model, k={e2e.get('k')}, greedy, {e2e.get('dtype')}, prompts of {e2e.get('prompt_len')} "
+                  f"random ids, {tokens} new tokens (ignore_eos); per batch a warm-up run of each engine identical to "
+                  "the timed ones (every CUDA-graph bucket they use captured before timing), then the median of "
+                  f"{e2e.get('reps')} interleaved runs (an odd count: the median is one run's time; `reps` column); "
+                  f"prefix caching {'on' if e2e.get('prefix_caching', True) else 'off'}; tok/s = generated tokens / "
+                  "wall time of generate (prefill included). Every request of every run checked - no error, "
+                  f"finish_reason length, all {tokens} tokens: {checked} timed requests checked{complete}. c and v(k) "
+                  "through the speculative engine's own runners (`path`: their static forward, CUDA graphs on CUDA, as "
+                  "the engine runs them); the eager columns time a fresh eager runner, as the first GPU run did. Pairs "
+                  "(in run order): `damped` = 1B-shaped target whose layers >= 2 are damped, draft = its first 2 "
+                  "layers (known acceptance); `random` = 3B-shaped target, independent 1B-shaped draft (they do not "
+                  "agree: costs only).", ""]  # fmt: skip
+    if e2e.get("not_run"):
+        lines += [f"Not run (out of time): {', '.join(e2e['not_run'])}.", ""]
     rows = []
-    for name, entry in e2e.get("pairs", {}).items():
+    for name, entry in pairs.items():
         for batch, r in entry.get("batches", {}).items():
-            c = r.get("costs", {})
-            rows.append([name, batch, r.get("plain_tokens_per_s"), r.get("spec_tokens_per_s"), r.get("speedup"),
-                         r.get("acceptance_rate"), r.get("alpha"), r.get("tau"), c.get("c"), c.get("v_k"),
-                         c.get("target_1_ms"), r.get("identical_tokens")])  # fmt: skip
-    lines += table(["pair", "batch", "plain tok/s", "spec tok/s", "speedup", "accept", "alpha", "tau", "c", "v(k)",
-                    "target decode ms", "greedy identical (bf16)"], rows)  # fmt: skip
-    graphs = e2e.get("pairs", {}).get("random", {}).get("graphs_vs_eager")
+            c, ce = r.get("costs", {}), r.get("costs_eager", {})
+            rows.append([name, batch, r.get("reps"), r.get("plain_tokens_per_s"), r.get("spec_tokens_per_s"),
+                         r.get("speedup"), r.get("acceptance_rate"), r.get("alpha"), r.get("tau"), c.get("c"),
+                         c.get("v_k"), c.get("target_1_ms"), (c.get("path") or {}).get("target"), ce.get("c"),
+                         ce.get("v_k"), ce.get("target_1_ms"), r.get("identical_tokens"),
+                         r.get("requests_checked")])  # fmt: skip
+        if entry.get("stopped_early"):
+            lines += [f"`{name}` stopped early ({entry['stopped_early']}): out of time.", ""]
+    lines += table(["pair", "batch", "reps", "plain tok/s", "spec tok/s", "speedup", "accept", "alpha", "tau", "c",
+                    "v(k)", "target decode ms", "path", "c (eager)", "v(k) (eager)", "eager decode ms",
+                    "greedy identical (bf16)", "requests checked"], rows)  # fmt: skip
+    static_rows = []
+    for name, entry in pairs.items():
+        for batch, r in entry.get("batches", {}).items():
+            for engine, by_runner in (r.get("static", {}).get("timed") or {}).items():
+                for runner, d in by_runner.items():
+                    static_rows.append([name, batch, engine, runner, d.get("mode"), d.get("forwards"),
+                                        d.get("replays"), d.get("fallbacks"), d.get("eager_forwards"),
+                                        d.get("buckets"), d.get("note")])  # fmt: skip
+    if static_rows:
+        lines += ["Static forwards during the timed runs, every runner (`buckets captured` > 0 would mean a capture "
+                  "inside a timed run; `eager` forwards are prefill and ragged or mixed batches):", ""]  # fmt: skip
+        lines += table(["pair", "batch", "engine", "runner", "mode", "forwards", "replays", "fallbacks", "eager",
+                        "buckets captured", "note"], static_rows)  # fmt: skip
+    graphs = pairs.get("random", {}).get("graphs_vs_eager")
     if graphs:
-        lines += [f"CUDA graphs vs `enforce_eager=True`, plain decoding of the random target (mode "
-                  f"{graphs.get('static_mode')}, {graphs.get('replays')} static forwards, {graphs.get('fallbacks')} "
-                  "fallbacks):", ""]  # fmt: skip
-        lines += table(["batch", "eager tok/s", "graphs tok/s", "speedup", "identical tokens"],
-                       [[b, r["eager_tokens_per_s"], r["graphs_tokens_per_s"], r["speedup"], r["identical_tokens"]]
-                        for b, r in graphs.items() if isinstance(r, dict)])  # fmt: skip
+        lines += ["CUDA graphs vs `enforce_eager=True`, plain decoding of the random target (medians; static forwards "
+                  "of the graphs engine's target runner during the timed runs):", ""]  # fmt: skip
+        rows = []
+        for b, r in graphs.items():
+            if not isinstance(r, dict):
+                continue
+            g = (r.get("static_timed") or {}).get("graphs", {}).get("target", {})
+            rows.append([b, r.get("reps"), r["eager_tokens_per_s"], r["graphs_tokens_per_s"], r["speedup"],
+                         r["identical_tokens"], g.get("mode"), g.get("replays"), g.get("fallbacks"),
+                         g.get("buckets")])  # fmt: skip
+        lines += table(["batch", "reps", "eager tok/s", "graphs tok/s", "speedup", "identical tokens", "mode",
+                        "replays", "fallbacks", "buckets captured"], rows)  # fmt: skip
     fp32 = e2e.get("fp32_greedy_identity")
     if fp32:
         lines += [f"fp32 greedy identity (small pair, {fp32['tokens_per_request']} tokens): {fp32['identical']}/"
@@ -131,8 +184,19 @@ def section_e2e(e2e: dict) -> list[str]:
                   ""]  # fmt: skip
     profile = e2e.get("profile")
     if profile:
-        lines += [f"Profile of one speculative round ({profile['pair']} pair, batch {profile['batch']}; top ops in "
-                  f"profile.txt): " + ", ".join(f"{k} x{v}" for k, v in profile["event_counts"].items()), ""]
+        from bench.gpu_steps.e2e import PROFILE_EVENTS
+
+        counts = profile.get("counts") or {}
+        if "event_counts" in profile:  # the older rule: names by prefix (cudaMemcpy* included async copies)
+            lines += [f"Profile of one speculative round ({profile['pair']} pair, batch {profile['batch']}), counted "
+                      "by the older rule (every event whose name starts with the key, the bench's own closing "
+                      "synchronize included): " + ", ".join(f"{k} x{v}" for k, v in profile["event_counts"].items()),
+                      ""]  # fmt: skip
+        if counts:
+            lines += [f"Profile of one speculative round ({profile['pair']} pair, batch {profile['batch']}; events "
+                      f"inside {profile.get('window', '?')}; top ops in profile.txt): {profile.get('host_waits', '?')} "
+                      "host waits - " + ", ".join(f"{PROFILE_EVENTS.get(k, k)} x{v}" for k, v in counts.items()),
+                      ""]  # fmt: skip
     return lines
 
 
@@ -143,8 +207,8 @@ def section_projection(e2e: dict, alphas: list[float]) -> list[str]:
     lines = ["### Projection", "",
              f"Predicted speedup = `bench.e2e.improvement(alpha, k={k}, c, v(k))` = (1 - a^(k+1)) / ((1 - a)(k c + "
              "v(k))) (Theorem 3.8 with the measured verification cost, the \"Thm+v(k)\" column of `bench.e2e`), "
-             "from the c and v(k) measured above, at assumed acceptances and at the measured one, beside the "
-             "measured speedup.", ""]  # fmt: skip
+             "from the c and v(k) measured above through the engine's runners (`path`), at assumed acceptances and at "
+             "the measured one, beside the measured speedup.", ""]  # fmt: skip
     rows = []
     for name, entry in e2e.get("pairs", {}).items():
         for batch, r in entry.get("batches", {}).items():

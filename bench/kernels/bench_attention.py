@@ -61,7 +61,7 @@ def time_ms(fn, device: str) -> float:
     if device == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()  # warm-up
     reps, start = 0, time.perf_counter()
     while reps < 3 or time.perf_counter() - start < 0.2:

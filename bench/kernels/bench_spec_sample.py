@@ -116,7 +116,7 @@ def time_ms(fn, device: str, reps: int) -> float:
     if device == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()  # warm-up
     samples = []
     for _ in range(reps):
