@@ -53,7 +53,7 @@ from bench.gpu_steps.common import (
     write_json,
 )
 from bench.gpu_steps.models import LLAMA_1B, LLAMA_3B, TINY, write_random_llama
-from specdec.engine.model_runner import ForwardItem
+from specdec.runner.model_runner import ForwardItem
 
 K = 4
 STEP_LABEL = "bench.gpu: engine.step"  # the profiled round's record_function; events are counted inside it only
