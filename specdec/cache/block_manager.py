@@ -23,6 +23,9 @@ Besides the tables as Python lists (the source of truth), the manager keeps them
 incrementally as blocks are appended or given back (entries past a table's end are 0), both dimensions grown
 geometrically. With ``read_only`` (bool ``[num_blocks]``, the blocks ``slot`` refuses to write), it lets the model
 runner gather a batch's block tables and slot mapping with a few numpy operations instead of per-token Python.
+
+Over 300 lines: the three block states and the table array are kept in step by every mutation, and
+``check_invariants`` states them in one place; splitting the mutations apart would hide who keeps them.
 """
 
 from __future__ import annotations

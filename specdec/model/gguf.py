@@ -1,5 +1,9 @@
 """Turn a GGUF checkpoint (llama.cpp's format) into a Hugging Face-style model directory.
 
+Over 300 lines because the format's three concerns stay together - metadata -> config.json (with the checks that
+refuse what is not supported), tensors -> safetensors (name map, Q/K un-permutation, dequantisation), and the
+atomic directory write - while the tokenizer lives in ``gguf_tokenizer.py``.
+
 The result (`config.json`, `model.safetensors` or shards plus an index, `tokenizer.json`,
 `tokenizer_config.json`, `generation_config.json`) is read by any HF-format loader, ours and
 transformers' alike, so GGUF support stops here and never leaks into the model code.
@@ -28,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm.auto import tqdm
+
+from specdec.model.gguf_tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
 
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-SUPPORTED_PRE_TOKENIZERS = ("qwen2", "smollm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 2 * 1024**3
 CONVERSION_RECORD = "specdec_conversion.json"  # provenance of a converted directory (source file, hash, dtype)
@@ -43,13 +47,6 @@ CONVERTER_VERSION = 1  # bump when the output of `convert_gguf` changes, so cach
 
 _GGUF_MAGIC = b"GGUF"
 _PROGRESS_MIN_BYTES = 256 * 1024**2  # show a dequantisation progress bar for files larger than this
-_CONTROL, _USER_DEFINED = 3, 4  # `tokenizer.ggml.token_type` values (gguf.TokenType) of added tokens
-# Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json).
-_FAMILY_EOS_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
-# Qwen2's split regex (transformers `models/qwen2/tokenization_qwen2.py::PRETOKENIZE_REGEX`).
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -281,95 +278,6 @@ def _show_progress(reader: GGUFReader, progress: bool | None) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The upstream tokenizer.json's pre-tokenizer for a `tokenizer.ggml.pre` name (llama.cpp's naming)."""
-    if pre == "qwen2":
-        split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
-        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    if pre == "smollm":
-        digits = pre_tokenizers.Digits(individual_digits=True)
-        return pre_tokenizers.Sequence([digits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {list(SUPPORTED_PRE_TOKENIZERS)}")
-
-
-def _indices(values: list[int], wanted: int) -> list[int]:
-    return [i for i, value in enumerate(values) if value == wanted]
-
-
-def _special_token(tokens: list[str], md: _Metadata, key: str) -> str | None:
-    token_id = md.get(f"tokenizer.ggml.{key}_token_id")
-    return None if token_id is None else tokens[token_id]
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, types: list[int]) -> Tokenizer:
-    """The BPE model, pre-tokenizer, decoder and added tokens; ids are positions in the GGUF token list."""
-    pre_tokenizer = _pre_tokenizer(pre)  # fail on an unknown pre-tokenizer before building anything
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    if pre == "qwen2":
-        tokenizer.normalizer = normalizers.NFC()  # as upstream Qwen2's tokenizer.json (a GGUF cannot say so)
-    tokenizer.pre_tokenizer = pre_tokenizer
-    tokenizer.decoder = decoders.ByteLevel()
-    # NOTE: control tokens (type 3) are special; user-defined ones (4) are added tokens that are not special,
-    # which is how llama.cpp's converter labelled them (HF `added_tokens` with `special: false`). Both are
-    # matched whole in the text and keep their GGUF ids.
-    control = [AddedToken(tokens[i], special=True, normalized=False) for i in _indices(types, _CONTROL)]
-    user = [AddedToken(tokens[i], special=False, normalized=False) for i in _indices(types, _USER_DEFINED)]
-    tokenizer.add_special_tokens(control)
-    tokenizer.add_tokens(user)
-    return tokenizer
-
-
-def _build_tokenizer(md: _Metadata, arch: str) -> tuple[Tokenizer, dict[str, Any], dict[str, Any]]:
-    """`(tokenizer, tokenizer_config, generation_config)` from the `tokenizer.*` metadata."""
-    if (kind := md.require("tokenizer.ggml.model")) != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
-    tokens: list[str] = md.require("tokenizer.ggml.tokens")
-    pre, types = md.get("tokenizer.ggml.pre", "default"), md.get("tokenizer.ggml.token_type") or []
-    tokenizer = _byte_level_bpe(tokens, md.require("tokenizer.ggml.merges"), pre, types)
-    bos, eos = _special_token(tokens, md, "bos"), _special_token(tokens, md, "eos")
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
-    if add_bos or add_eos:  # neither supported family sets these; honour them rather than drop them
-        single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
-        specials = [(t, tokenizer.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t]
-        tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": bos,
-        "eos_token": eos,
-        "pad_token": _special_token(tokens, md, "padding"),
-        "unk_token": _special_token(tokens, md, "unknown"),
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": md.require(f"{arch}.context_length"),
-    }
-    if (template := md.get("tokenizer.chat_template")) is not None:
-        tokenizer_config["chat_template"] = template
-    return tokenizer, tokenizer_config, _generation_config(tokenizer, md, arch)
-
-
-def _generation_config(tokenizer: Tokenizer, md: _Metadata, arch: str) -> dict[str, Any]:
-    """bos / pad ids and every eos id the family stops on (an int when there is one, as HF writes it)."""
-    eos_ids = [md.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-    eos_ids += [tokenizer.token_to_id(t) for t in _FAMILY_EOS_TOKENS.get(arch, ())]  # None when absent
-    eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
-    config = {"bos_token_id": md.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos_ids}
-    if (pad := md.get("tokenizer.ggml.padding_token_id")) is not None:
-        config["pad_token_id"] = pad
-    if len(eos_ids) == 1:
-        config["eos_token_id"] = eos_ids[0]
-    return config
-
-
-# ----------------------------------------------------------------------------------------------------------------
 # Public API
 
 
@@ -382,7 +290,7 @@ def _read_header(path: str | os.PathLike, dtype: str) -> tuple[GGUFReader, GGUFM
     if md.get("split.count", 1) > 1:
         raise ValueError(f"{path} is one shard of a split GGUF; merge it first (llama-gguf-split --merge)")
     arch = _architecture(md)
-    tokenizer, tokenizer_config, generation_config = _build_tokenizer(md, arch)
+    tokenizer, tokenizer_config, generation_config = build_tokenizer(md, arch)
     tied = all(t.name != "output.weight" for t in reader.tensors)
     config = _build_config(md, arch, len(md.require("tokenizer.ggml.tokens")), tied, dtype)
     # NOTE: every eos in config.json too (as Llama-3.1's has), so a loader that reads only config.json still stops.

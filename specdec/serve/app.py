@@ -6,6 +6,9 @@ unsupported field (named in ``param``), 404 for another model name, 503 with ``R
 queue is full or the server is shutting down, 500 when the request failed inside the engine (``finish_reason
 "error"``). A streamed request that fails after its first chunk ends with an ``{"error": ...}`` event, then
 ``[DONE]``. A client that disconnects aborts its requests at once (their KV blocks are freed).
+
+Over 300 lines: one route per OpenAI endpoint and their streaming / non-streaming bodies, which read best side by
+side; request parsing is in ``protocol.py``, the engine thread in ``async_engine.py``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ The asyncio side talks to the thread only through that queue (commands are closu
 the thread talks back only through ``loop.call_soon_threadsafe`` (outputs into each request's asyncio queue).
 Outputs are cumulative (vLLM-style): a verification round that accepts several tokens arrives as one output
 with several new tokens; a slow reader gets only the latest output, never a stale backlog.
+
+Over 300 lines: the thread's loop, its commands and the asyncio streams form one protocol whose halves must be
+read together (which side may touch what, and when).
 """
 
 from __future__ import annotations
