@@ -61,7 +61,7 @@ def test_greedy_output_equals_the_target_and_the_draft_never_sees_unknown_ids(mo
 
 def test_sampling_with_penalties_runs_and_drafts_stay_in_the_draft_vocab(models, monkeypatch):
     _, spec = models
-    verify = spec.engine.speculative.verify
+    verify = spec.engine.speculative.verify_round
     drafted: list[int] = []
 
     def spy(logits, draft_round, meta, out):
@@ -70,7 +70,7 @@ def test_sampling_with_penalties_runs_and_drafts_stay_in_the_draft_vocab(models,
             assert torch.all(meta.draft_probs[:, DRAFT_VOCAB:] == 0), "q must be zero on ids the draft does not have"
         return verify(logits, draft_round, meta, out)
 
-    monkeypatch.setattr(spec.engine.speculative, "verify", spy)
+    monkeypatch.setattr(spec.engine.speculative, "verify_round", spy)
     params = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.5,
                             max_tokens=40, seed=7, ignore_eos=True)
     outs = spec.generate(prompt_token_ids=PROMPTS, sampling_params=params)

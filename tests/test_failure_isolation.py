@@ -7,7 +7,7 @@ no block is leaked in either pool, and the engine serves new requests afterwards
 and sampled.
 
 The faults are injected at names that exist in the engine before and after the failure-isolation rework
-(runner.forward, proposer.propose, plain_step.sample_next_tokens, spec_decode.decoder.verify, truncate_to,
+(runner.forward, proposer.propose, plain_step.sample_next_tokens, spec_decode.decoder.verify_round, truncate_to,
 output_processor.append_text; renamed with the round-as-data refactor), so these tests also ran against the old step:
 there every faulted case fails.
 """
@@ -138,7 +138,7 @@ def _inject(monkeypatch, engine, stage: str) -> None:
 
         monkeypatch.setattr(plain_step_module, "sample_next_tokens", faulty_sample)
     elif stage == "verify":
-        verify = speculative_module.verify
+        verify = speculative_module.verify_round
 
         def faulty_verify(logits, meta, sampling, out, **kwargs):
             if victim_ids(verifying["requests"]):
@@ -146,14 +146,14 @@ def _inject(monkeypatch, engine, stage: str) -> None:
             return verify(logits, meta, sampling, out, **kwargs)
 
         verifying = {}
-        decoder_verify = engine.speculative.verify
+        decoder_verify = engine.speculative.verify_round
 
         def remember_requests(logits, draft_round, meta, out):  # the round's requests, for faulty_verify
             verifying["requests"] = draft_round.requests
             return decoder_verify(logits, draft_round, meta, out)
 
-        monkeypatch.setattr(engine.speculative, "verify", remember_requests)
-        monkeypatch.setattr(speculative_module, "verify", faulty_verify)
+        monkeypatch.setattr(engine.speculative, "verify_round", remember_requests)
+        monkeypatch.setattr(speculative_module, "verify_round", faulty_verify)
     elif stage == "rollback":
         truncate_to = engine.block_manager.truncate_to
 

@@ -115,7 +115,7 @@ def _configs(draft: str) -> dict[str, SpeculativeConfig | None]:
                                   "combined"])
 def test_engine_steps_make_no_hidden_sync(tiny_pair, mode, params):
     target, draft = tiny_pair
-    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4,
+    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4, num_kv_blocks=200,
                       speculative=_configs(draft)[mode])
     engine = llm.engine
     for i in range(3):

@@ -160,7 +160,7 @@ def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypat
     llm = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3,
                                                    tree=[2, 1, 1]), max_num_seqs=4)
     victim = ps[2]
-    real = llm.engine.speculative.verify
+    real = llm.engine.speculative.verify_round
 
     def faulty(logits, draft_round, meta, out):
         assert meta.trees is not None, "a chain round: the test would prove nothing about trees"
@@ -168,7 +168,7 @@ def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypat
             raise RuntimeError("tree verification failed for the victim")
         return real(logits, draft_round, meta, out)
 
-    monkeypatch.setattr(llm.engine.speculative, "verify", faulty)
+    monkeypatch.setattr(llm.engine.speculative, "verify_round", faulty)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert outs[2].outputs[0].finish_reason == "error" and "victim" in outs[2].error
     assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == [r for i, r in enumerate(ref) if i != 2]

@@ -9,6 +9,7 @@ requests it belongs to) and the commit of each request's update.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 import time
@@ -52,8 +53,8 @@ class LLMEngine:
         lookahead = self.speculative.lookahead if self.speculative is not None else (lambda seq: 0)
         self.scheduler = Scheduler(self.block_managers, config.max_num_seqs, config.max_num_batched_tokens,
                                    lookahead=lookahead)
-        if self.speculative is not None:
-            self.scheduler.on_free.append(lambda seq: self.speculative.free(seq.seq_id, seq.is_finished))
+        if self.speculative is not None:  # (no closure over the engine: a reference cycle would keep its pools alive)
+            self.scheduler.on_free.append(functools.partial(_free_proposer_state, self.speculative))
         mode = static_forward_mode(config.device, config.enforce_eager)
         if mode is not None:
             self.enable_static_forward(mode)
@@ -262,3 +263,8 @@ class LLMEngine:
         finally:
             if self.tokenizer is not None and reason != "error":
                 finalize_text(seq, self.tokenizer, stopped_by_string)
+
+
+def _free_proposer_state(decoder: SpeculativeDecoder, seq: Sequence) -> None:
+    """The scheduler freed ``seq``'s blocks: finished (for good) or preempted (it comes back)."""
+    decoder.free(seq.seq_id, seq.is_finished)

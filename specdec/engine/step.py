@@ -30,7 +30,7 @@ from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
 from specdec.runner.model_runner import ForwardItem, ModelRunner
 from specdec.runner.step_output import StepOutput
-from specdec.sampling.logprobs import TokenLogprobs, attach_logprobs
+from specdec.sampling.logprobs import TokenLogprobs, token_logprobs
 from specdec.spec_decode.decoder import DraftRound, SpeculativeDecoder
 from specdec.spec_decode.verify import VerifyResult
 
@@ -53,15 +53,15 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs] | None = None  # one per new token when params.logprobs is set (logprobs hook)
 
 
-def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec: SpeculativeDecoder | None = None,
+def compute_step(batch: ScheduledBatch, runner: ModelRunner, decoder: SpeculativeDecoder | None = None,
                  observe_costs: bool = True) -> list[RequestUpdate]:
     """The updates of every request of ``batch``, in batch order.
 
     Args:
-        spec: the ``SpeculativeDecoder``, or None for plain decoding.
+        decoder: the ``SpeculativeDecoder``, or None for plain decoding.
         observe_costs: time the target forward for adaptive k (False for the retried halves of a failed step).
     """
-    draft_round = _draft(batch, spec) if spec is not None else None
+    draft_round = _draft(batch, decoder) if decoder is not None else None
     window_of = {r.seq_id: b for b, r in enumerate(draft_round.requests)} if draft_round is not None else {}
     items = [_window_item(seq, draft_round, window_of[seq.seq_id]) if seq.seq_id in window_of else plain_item(seq, n)
              for seq, n in zip(batch.seqs, batch.num_new_tokens)]
@@ -70,17 +70,17 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec: SpeculativeDe
     verifying = [i for i, seq in enumerate(batch.seqs) if seq.seq_id in window_of]
     meta = None
     if verifying:
-        meta = spec.metadata(draft_round, [logits_starts[i] for i in verifying], [input_starts[i] for i in verifying],
-                             logits_starts[-1], runner.device)
+        meta = decoder.metadata(draft_round, [logits_starts[i] for i in verifying],
+                                [input_starts[i] for i in verifying], logits_starts[-1], runner.device)
     input_ids = None  # int64 [T] on the device, only when some window's drafts are on the device
     if meta is not None and meta.draft_input_indices is not None:
         input_ids = meta.scatter_drafts(to_device([t for item in items for t in item.token_ids], torch.int64,
                                                   runner.device))
 
-    start = spec.start_target_timer(runner.device) if spec is not None and observe_costs else None
+    start = decoder.start_target_timer(runner.device) if decoder is not None and observe_costs else None
     logits = runner.forward(items, input_ids=input_ids)  # fp32 [R, V], R = sum(num_logits)
     if start is not None:
-        spec.observe_target(start, len(items), input_starts[-1])
+        decoder.observe_target(start, len(items), input_starts[-1])
 
     out = StepOutput()
     plain = [i for i, item in enumerate(items) if item.num_logits and batch.seqs[i].seq_id not in window_of]
@@ -90,28 +90,28 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, spec: SpeculativeDe
         if meta is not None:  # some rows are verification windows: gather the plain ones on the device
             rows = logits.index_select(0, to_device([logits_starts[i] for i in plain], torch.int64, logits.device))
         plain_rows = sample_plain(rows, [batch.seqs[i] for i in plain], out)
-    pending = spec.verify(logits, draft_round, meta, out) if meta is not None else None
+    pending = decoder.verify_round(logits, draft_round, meta, out) if meta is not None else None
     out.read()  # the step's one host read
     sampled = plain_rows.result() if plain_rows is not None else {}
     verified: VerifyResult | None = None
     if pending is not None:
         verified = pending.result([r.request_id for r in draft_round.requests])
-        spec.compact(draft_round, verified, runner.pool, runner.block_manager)
+        decoder.compact(draft_round, verified, runner.pool, runner.block_manager)
 
     updates = [_update(seq, n, draft_round, window_of, verified, sampled)
                for seq, n in zip(batch.seqs, batch.num_new_tokens)]
     if any(seq.params.logprobs is not None for seq in batch.seqs):
         _logprobs(logits, updates, logits_starts)
-    if spec is not None:
-        spec.flush_timings()  # after the step's host read: the timed forwards have completed
+    if decoder is not None:
+        decoder.flush_timings()  # after the step's host read: the timed forwards have completed
     return updates
 
 
-def _draft(batch: ScheduledBatch, spec: SpeculativeDecoder) -> DraftRound:
+def _draft(batch: ScheduledBatch, decoder: SpeculativeDecoder) -> DraftRound:
     """The round's drafts for the batch's decode steps (a prefill chunk never drafts)."""
     decoding = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
                 if n == 1 and seq.num_computed + 1 == seq.num_tokens]
-    return spec.draft(decoding, [seq.lookahead for seq in decoding], len(batch.seqs))
+    return decoder.draft(decoding, [seq.lookahead for seq in decoding], len(batch.seqs))
 
 
 def _window_item(seq: Sequence, draft_round: DraftRound, b: int) -> ForwardItem:
@@ -148,15 +148,23 @@ def _logprobs(logits: torch.Tensor, updates: list[RequestUpdate], logits_starts:
     """The logprobs hook (sampling/logprobs.py), only when a request asked: the logits row each emitted token was
     drawn from - a plain token: its item's one row; a verified chain: token j from row j of its window; a tree:
     token j from the row of the path's node at depth j (the root's for j = 0)."""
-    token_rows = {}
-    for u, first in zip(updates, logits_starts):
+    wanted = [(u, first) for u, first in zip(updates, logits_starts) if u.seq.params.logprobs is not None
+              and u.new_tokens]
+    rows, tokens, top_n = [], [], []
+    for u, first in wanted:
         nodes = [0, *u.accepted_nodes] if u.accepted_nodes is not None else range(len(u.new_tokens))
-        token_rows[u.seq.seq_id] = [first + node for node in list(nodes)[: len(u.new_tokens)]]
-    attach_logprobs(logits, updates, token_rows)
+        rows += [first + node for node in list(nodes)[: len(u.new_tokens)]]
+        tokens += u.new_tokens
+        top_n += [u.seq.params.logprobs] * len(u.new_tokens)
+    flat = token_logprobs(logits, rows, tokens, top_n)
+    i = 0
+    for u, _ in wanted:
+        u.logprobs = flat[i : i + len(u.new_tokens)]
+        i += len(u.new_tokens)
 
 
-def undo_step(seqs: list[Sequence], spec: SpeculativeDecoder | None = None) -> None:
+def undo_step(seqs: list[Sequence], decoder: SpeculativeDecoder | None = None) -> None:
     """Forget what a failed ``compute_step`` left behind: the proposer's state beyond each request's committed
     KV. (Target K/V written beyond ``num_computed`` is garbage by definition and is overwritten later.)"""
-    if spec is not None:
-        spec.discard(seqs)
+    if decoder is not None:
+        decoder.discard(seqs)

@@ -45,28 +45,3 @@ def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top
         entry.setdefault(token, row[0])
         out.append(entry)
     return out
-
-
-def attach_logprobs(logits: torch.Tensor, updates: list, token_rows: dict[int, list[int]]) -> None:
-    """Set ``update.logprobs`` (one dict per ``update.new_tokens``) for the updates whose request asked for
-    logprobs (``params.logprobs is not None``); the others are left at None.
-
-    Args:
-        logits: fp32 ``[R, V]``, the step's target logits.
-        updates: the step's ``RequestUpdate`` s (engine/step.py).
-        token_rows: seq id -> the row of ``logits`` each of its new tokens was drawn from, in order (a chain:
-            window row j for token j; a tree: the rows of the accepted path's nodes).
-    """
-    wanted = [u for u in updates if u.seq.params.logprobs is not None and u.new_tokens]
-    rows, tokens, top_n = [], [], []
-    for u in wanted:
-        r = token_rows[u.seq.seq_id]
-        assert len(r) == len(u.new_tokens), "one logits row per emitted token"
-        rows += r
-        tokens += u.new_tokens
-        top_n += [u.seq.params.logprobs] * len(r)
-    flat = token_logprobs(logits, rows, tokens, top_n)
-    i = 0
-    for u in wanted:
-        u.logprobs = flat[i : i + len(u.new_tokens)]
-        i += len(u.new_tokens)

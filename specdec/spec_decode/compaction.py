@@ -10,18 +10,18 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_compaction import compaction_slots
 from specdec.cache.kv_pool import KVPool
 from specdec.device import to_device
-from specdec.spec_decode.request import RequestView
 
 
-def compact_target(pool: KVPool, block_manager: BlockManager, requests: list[RequestView],
+def compact_target(pool: KVPool, block_manager: BlockManager, seq_ids: list[int], roots: list[int],
                    accepted_nodes: list[list[int]]) -> None:
-    """Move every request's accepted path (node i was written at ``ctx + i``, ``ctx`` = its committed length, the
-    root's position) to ``ctx + 1, ctx + 2, ..`` with one ``ops.kv_compact`` for the whole batch. Only positions
+    """Move every request's accepted path (node i was written at ``ctx + i``, ``ctx = roots[b]``: the root's
+    position, the request's committed length) to ``ctx + 1, ctx + 2, ..`` with one ``ops.kv_compact`` for the
+    whole batch. Only positions
     beyond each request's committed KV are written (garbage until the commit), so a step that fails after this
     changed nothing a later step reads."""
     src, dst = [], []
-    for request, nodes in zip(requests, accepted_nodes):
-        s, d = compaction_slots(block_manager, request.seq_id, request.num_computed, nodes)
+    for seq_id, ctx, nodes in zip(seq_ids, roots, accepted_nodes):
+        s, d = compaction_slots(block_manager, seq_id, ctx, nodes)
         src += s
         dst += d
     if src:

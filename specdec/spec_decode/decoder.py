@@ -7,7 +7,7 @@ model-free proposer with no match) ride in the same target forward as plain rows
     draft(requests)                -> DraftRound (requests that drafted >= 1 token, their DraftProposal)
     metadata(round, layout)        -> SpecDecodeMetadata (built once; device offsets, drafts, tree structure)
     sampling_metadata(round)       -> SamplingMetadata of the window rows (settings, seeds, penalty contexts)
-    verify(logits, meta, ..., out) -> PendingVerification (queued; tokens after the step's one host read)
+    verify_round(logits, ..., out) -> PendingVerification (queued; tokens after the step's one host read)
     compact(round, result)         -> a tree round's accepted paths contiguous in both caches
     observe_round / rollback       -> at commit: adaptive k's estimate; both caches truncated to the kept KV
 
@@ -35,7 +35,7 @@ from specdec.spec_decode.proposers.base import DraftProposal, Proposer
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer
 from specdec.spec_decode.proposers.factory import build_proposer
 from specdec.spec_decode.request import RequestView
-from specdec.spec_decode.verify import PendingVerification, VerifyResult, verify
+from specdec.spec_decode.verify import PendingVerification, VerifyResult, verify_round
 
 
 @dataclass
@@ -163,11 +163,11 @@ class SpeculativeDecoder:
             contexts += [request.penalty_counts(drafts[b][:j]) for j in range(k + 1)]
         return SamplingMetadata.build(params, seeds, positions, contexts, self.vocab_size, device)
 
-    def verify(self, logits: torch.Tensor, draft_round: DraftRound, meta: SpecDecodeMetadata,
+    def verify_round(self, logits: torch.Tensor, draft_round: DraftRound, meta: SpecDecodeMetadata,
                out: StepOutput) -> PendingVerification:
         """Queue the round's verification (``SpeculativeConfig.verify`` picks token or block for chains)."""
         sampling = self.sampling_metadata(draft_round, meta, logits.device)
-        return verify(logits, meta, sampling, out, method=self.spec_config.verify)
+        return verify_round(logits, meta, sampling, out, method=self.spec_config.verify)
 
     def compact(self, draft_round: DraftRound, result: VerifyResult, target_pool: KVPool,
                 target_block_manager: BlockManager) -> None:
@@ -176,7 +176,9 @@ class SpeculativeDecoder:
         undone by ``discard``)."""
         if result.accepted_nodes is None:
             return
-        compact_target(target_pool, target_block_manager, draft_round.requests, result.accepted_nodes)
+        requests = draft_round.requests
+        compact_target(target_pool, target_block_manager, [r.seq_id for r in requests],
+                       [r.num_computed for r in requests], result.accepted_nodes)
         self.proposer.compact(draft_round.requests, result.accepted_nodes)
 
     def discard(self, requests: list[RequestView]) -> None:

@@ -35,7 +35,7 @@ class VerifyResult:
     accepted_nodes: list[list[int]] | None  # a tree round: the accepted path's nodes (depth 1..n); chains: None
 
 
-def verify(logits: torch.Tensor, meta: SpecDecodeMetadata, sampling: SamplingMetadata, out: StepOutput,
+def verify_round(logits: torch.Tensor, meta: SpecDecodeMetadata, sampling: SamplingMetadata, out: StepOutput,
            method: str = "token") -> PendingVerification:
     """Queue the verification of every window of ``meta``; its result comes with ``out``'s read.
 
