@@ -43,10 +43,6 @@ class StepOutput:
         parts = [p if p.dtype == torch.int64 else p.long() for p in self._parts]
         self._host = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
 
-    @property
-    def done(self) -> bool:
-        return self._host is not None
-
     def get(self, handle: int) -> list[int]:
         """The host copy of the vector registered as ``handle`` (after :meth:`read`)."""
         if self._host is None:

@@ -47,10 +47,6 @@ class DraftRound:
     lookahead_granted: dict[int, int]  # seq id -> lookahead granted, for every decode step of the batch
     draft_forwards: dict[int, int]  # seq id -> draft-model forwards it took part in
 
-    @property
-    def is_tree(self) -> bool:
-        return self.proposal is not None and self.proposal.trees is not None
-
 
 class SpeculativeDecoder:
     def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig, tokenizer: Tokenizer | None):

@@ -51,10 +51,6 @@ class SpecDecodeMetadata:
     all_rows: bool  # the windows are all of the step's logits rows, in order (no plain rows beside them)
 
     @property
-    def num_requests(self) -> int:
-        return len(self.num_draft_tokens)
-
-    @property
     def max_num_draft_tokens(self) -> int:
         return max(self.num_draft_tokens)
 
