@@ -369,21 +369,28 @@ def test_prompt_lookup_needs_a_match_to_merge():
 
 # --- combined: the lookup's tree, the draft model's chain (as a tree, with q rows per node) for misses ------
 class FakeDraftModel:
-    """Chains of 7s with q rows numbered by draft position (not one-hot)."""
+    """Chains of 7s with q rows numbered by draft position (not one-hot); its trees are those chains (as a draft
+    model without a tree shape drafts them: node j's q row is the row its child was drawn from, the leaf's zeros)."""
+
+    max_positions = None
+    block_managers = []
 
     def propose(self, seqs, num_tokens):
         drafts = [[7] * k for k in num_tokens]
         rows = [torch.full((1, 3), float(j + 1)) for d in drafts for j in range(len(d))]
         return DraftProposal(drafts, torch.cat(rows), [False] * len(seqs), [len(d) for d in drafts])
 
-    def rollback(self, seq, kv_len):
-        pass
+    def propose_tree(self, seqs, max_depths, max_nodes):
+        chains = self.propose(seqs, [min(d, n) for d, n in zip(max_depths, max_nodes)])
+        trees = [DraftTree.chain(s.last_token_id, d) for s, d in zip(seqs, chains.token_ids)]
+        rows, start = [], 0
+        for d in chains.token_ids:
+            rows += [chains.probs[start : start + len(d)], torch.zeros(1, 3)]
+            start += len(d)
+        return DraftProposal(chains.token_ids, torch.cat(rows), chains.is_onehot, chains.draft_forwards, trees)
 
-    def free(self, seq):
-        pass
 
-
-def test_combined_forwards_trees_and_falls_back_to_the_draft_model():
+def test_combined_forwards_trees_and_takes_the_draft_models_for_misses():
     hit, miss = seq([1, 2, 3, 1, 2, 4, 1, 2], 0), seq([5, 6], 1)
     drafter = CombinedProposer(PromptLookupProposer(), FakeDraftModel())
     proposal = drafter.propose_tree([hit, miss], [2, 3], [4, 2])
