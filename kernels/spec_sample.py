@@ -330,8 +330,9 @@ def with_block_v(config, block_v: int | None):
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Unnormalised residual ``max(p - q, 0)`` (fp32 ``[R, V]``); a named step so tests can plant mutants in it."""
-    return torch.clamp(p - q, min=0.0)
+    """Unnormalised residual ``max(p - q, 0)`` (fp32 ``[R, V]``, a new tensor); a named step so tests can plant
+    mutants in it."""
+    return (p - q).clamp_(min=0.0)
 
 
 def spec_sample_reference(
@@ -353,7 +354,7 @@ def spec_sample_reference(
     _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
                   draft_is_onehot, seeds, positions, max_num_draft_tokens, read_values=True)  # fmt: skip
     device = target_probs.device
-    batch, vocab, max_k = seeds.shape[0], target_probs.shape[1], max_num_draft_tokens
+    batch, max_k = seeds.shape[0], max_num_draft_tokens
     num_total = draft_token_ids.shape[0]
     onehot = torch.ones_like(draft_is_onehot) if draft_probs is None else draft_is_onehot
     rows = torch.arange(batch, device=device)  # (B,)
@@ -376,24 +377,28 @@ def spec_sample_reference(
     ok = torch.where(is_greedy[:, None], target_argmax[target_row] == drafts, u * q_x < p_x) & has_draft
     n = ok.long().cumprod(dim=-1).sum(dim=-1)  # (B,) length of the accepted prefix
 
-    # The recovered token at the first rejection, or the bonus token, at position n.
+    # The recovered token at the first rejection, or the bonus token, at position n - for the sampled rows only
+    # (greedy rows keep the target's argmax), each [S, V] step a fresh tensor at most once.
+    # NOTE: boolean indexing syncs on CUDA, which is fine for a reference.
     rejected = n < num_drafts  # (B,)
     final_row = cu[:-1] + rows + n  # (B,)
-    p = target_probs[final_row]  # (B, V)
-    q = torch.zeros_like(p)  # (B, V): no draft to subtract at the bonus position
     rejected_draft = drafts.gather(1, n.clamp(max=max(max_k - 1, 0))[:, None]).squeeze(1) if max_k else rows * 0
-    if model_q is not None:
-        q_rows = model_q[(cu[:-1] + n).clamp(max=num_total - 1)]  # (B, V)
-        q = torch.where((rejected & ~onehot)[:, None], q_rows, q)
-    onehot_q = torch.nn.functional.one_hot(rejected_draft, vocab).float()  # (B, V)
-    q = torch.where((rejected & onehot)[:, None], onehot_q, q)
-    residual = residual_distribution(p, q)  # (B, V)
-    dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
-    token = target_argmax[final_row]  # (B,) greedy rows keep the target's argmax
-    # NOTE: drawn for sampled rows only; boolean indexing syncs on CUDA, which is fine for a reference.
+    token = target_argmax[final_row]  # (B,)
     sampled = (~is_greedy).nonzero().squeeze(1)  # (S,)
+    p = target_probs[final_row[sampled]]  # (S, V)
+    q = torch.zeros_like(p)  # (S, V): no draft to subtract at the bonus position
+    if model_q is not None:
+        with_q = (rejected & ~onehot)[sampled].nonzero().squeeze(1)  # rows whose q is the draft model's
+        q[with_q] = model_q[(cu[:-1] + n)[sampled][with_q].clamp(max=num_total - 1)]
+    with_onehot = (rejected & onehot)[sampled].nonzero().squeeze(1)  # q = onehot(the rejected draft)
+    q[with_onehot, rejected_draft[sampled][with_onehot]] = 1.0
+    residual = residual_distribution(p, q)  # (S, V)
+    # an all-zero residual (p <= q up to rounding): sample from p - the kernels' test (total <= 0), so a NaN row
+    # keeps its residual as they do
+    from_p = (residual.amax(dim=-1) <= 0).nonzero().squeeze(1)
+    residual[from_p] = p[from_p]
     u = draw_uniforms(seeds[sampled], positions[sampled] + n[sampled], STREAM_RESIDUAL)  # (S,) float64
-    token[sampled] = inverse_cdf(dist[sampled], u)
+    token[sampled] = inverse_cdf(residual, u)
 
     out = torch.where(j[None, :] < n[:, None], drafts, -1)  # (B, K) accepted prefix
     out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # (B, K + 1)

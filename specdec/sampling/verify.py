@@ -135,7 +135,8 @@ def _penalised_target(
     is on, so it costs nothing otherwise).
 
     Returns ``(st, logits fp32 [R, V] with the per-row penalties applied, target_argmax int64 [R])``; the argmax is
-    the one plain greedy decoding uses.
+    the one plain greedy decoding uses. The ops read it only for greedy rows, so a batch without any (every fp32
+    temperature > 0) gets zeros instead: an argmax over [R, V] is not vectorised on CPU (~15 ms at 64 x 128256).
     """
     st = SamplingTensors.from_params([s.params for s in row_seqs], logits.device)
     if st.any_penalty:
@@ -144,6 +145,8 @@ def _penalised_target(
         active = [s.params.has_penalties for s in row_seqs]
         rows = penalty_rows(prompts, outputs, logits.shape[-1], logits.device, active)
         logits = apply_penalty_rows(logits, rows, st)
+    if not st.any_greedy:
+        return st, logits, torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
     return st, logits, greedy(logits)
 
 
