@@ -100,25 +100,29 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
     sums = chunk_sums(weights)  # (R, C) fp32
+    num_chunks = sums.shape[1]
     cum = sums.double().cumsum(dim=-1)  # (R, C) sequential on CPU, as the kernels add
     total = cum[:, -1]
-    t = uniforms.to(device=device, dtype=torch.float64) * total  # (R,)
-    cap = total * BELOW_ONE
-    t = torch.where(t > cap, cap, t)  # rounded up to the total: the largest float64 below it (NaN stays NaN)
-    chunk = torch.searchsorted(cum, t[:, None], right=True).squeeze(1)  # first c with cum_c > t
-    found = chunk < sums.shape[1]  # none passed: a total of 0, NaN or inf, token 0
-    chunk = torch.where(found, chunk, 0)
-    before = cum.gather(1, (chunk - 1).clamp(min=0)[:, None]).squeeze(1)
-    base = torch.where(found & (chunk > 0), before, 0.0)  # cum_(c-1)
-    mass = torch.where(found, sums.gather(1, chunk[:, None]).squeeze(1).double(), 0.0)  # S_c
-    ids = chunk[:, None] * CDF_CHUNK + torch.arange(CDF_CHUNK, device=device)  # (R, CHUNK)
-    inside = ids < vocab
-    local = torch.where(inside, weights.gather(1, ids.clamp(max=vocab - 1)), 0.0)  # (R, CHUNK) the chunk's weights
+    # U * total can round up to the total: cap it at the largest float64 below (NaN stays NaN)
+    t = torch.minimum(uniforms.to(device=device, dtype=torch.float64) * total, total * BELOW_ONE)  # (R,)
+    chunk = torch.searchsorted(cum, t[:, None], right=True)  # (R, 1) first c with cum_c > t; C: none
+    cum = torch.nn.functional.pad(cum, (1, 0))  # (R, C + 1): cum_(c-1) at column c
+    found = chunk.squeeze(1) < num_chunks  # none passed: a total of 0, NaN or inf - token 0 below
+    chunk = chunk.clamp_(max=num_chunks - 1)
+    base = cum.gather(1, chunk).squeeze(1)  # cum_(c-1)
+    mass = sums.gather(1, chunk).squeeze(1).double()  # S_c
+    ids = chunk * CDF_CHUNK + torch.arange(CDF_CHUNK, device=device)  # (R, CHUNK)
+    if vocab % CDF_CHUNK:  # the last chunk is partial: ids past the vocabulary weigh 0
+        local = torch.where(ids < vocab, weights.gather(1, ids.clamp(max=vocab - 1)), 0.0)
+    else:
+        local = weights.gather(1, ids)  # (R, CHUNK) the chunk's weights
     running = local.double().cumsum(dim=-1)  # (R, CHUNK) L
-    # L_i > t' = (t - base) / S_c * L_last, without a division: L_i * S_c > (t - base) * L_last (monotone in i)
-    passed = running * mass[:, None] > ((t - base) * running[:, -1])[:, None]  # (R, CHUNK)
-    lane = torch.where(passed.any(dim=-1), passed.byte().argmax(dim=-1), _last_positive(local))  # none: rounding
-    return torch.where(found, chunk * CDF_CHUNK + lane, 0)
+    # L_i > t' = (t - base) / S_c * L_last, without a division: L_i * S_c > (t - base) * L_last. Monotone in i, so
+    # the lanes that fail it come first and count to the first that passes (CHUNK: none, by rounding - then the
+    # last lane with weight, which is also never before a passing lane).
+    lane = (running * mass[:, None] <= ((t - base) * running[:, -1])[:, None]).sum(dim=-1)
+    lane = torch.minimum(lane, _last_positive(local))
+    return torch.where(found, chunk.squeeze(1) * CDF_CHUNK + lane, 0)
 
 
 def sample_inverse_cdf(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
