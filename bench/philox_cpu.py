@@ -2,15 +2,19 @@
 
 Per (rows, vocab): ns per element of ``row_exponentials`` (numpy words + eager ``-log``; the same int64 torch code
 eager, chunked; compiled by Inductor, chunked) and ms per call of sampling ``argmax(p / E)`` (numpy noise then
-divide and argmax, as ``sample_from_probs`` did; ``sample_argmax``, fused per chunk). Variants are interleaved and
-each figure is the median over repetitions, so a noisy neighbour shifts all of them alike. ``--chunks`` sweeps the
-compiled path's blocks per call (0: one call for everything). The first call's time (compiling, or loading
-Inductor's on-disk cache; set ``TORCHINDUCTOR_CACHE_DIR`` to an empty folder for a cold compile) is printed.
+divide and argmax, as ``sample_from_probs`` did before issue 10; ``sample_argmax``, fused per chunk, as it did until
+the inverse CDF replaced the exponential race; ``sample_inverse_cdf``, one uniform per row, as it does now -
+``kernels/inverse_cdf.py``; V-wide noise is now drawn only for the tree drafter's Gumbel-top-c children).
+Variants are interleaved and each figure is the median over repetitions, so a noisy neighbour shifts all of them
+alike. ``--chunks`` sweeps the compiled path's blocks per call (0: one call for everything). The first call's time
+(compiling, or loading Inductor's on-disk cache; set ``TORCHINDUCTOR_CACHE_DIR`` to an empty folder for a cold
+compile) is printed.
 
     python -m bench.philox_cpu [--rows 1 8 64] [--vocab 512 32000 128256] [--reps 5] [--chunks 4096 16384 65536 0]
 
-``--host-overhead numpy ARGS...`` runs ``bench.host_overhead ARGS...`` with the numpy noise patched back in (the
-engine code otherwise unchanged), for a before/after on the same tree.
+(The ``--host-overhead numpy`` mode that patched the numpy noise back into ``bench.host_overhead`` is gone: the
+sampler and the verification references draw one uniform per row now, so there is no noise left to patch; the
+figures it gave are in docs/benchmarks.md, commit ``eb2d8f5``.)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 from bench.common import median, print_table, set_threads, warm_up_sampling
 from specdec.kernels import philox
+from specdec.kernels.inverse_cdf import sample_inverse_cdf
 
 
 def numpy_row_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
@@ -81,7 +86,8 @@ def microbenchmark(rows_list: list[int], vocabs: list[int], reps: int, chunks: l
         positions = torch.randint(0, 2**40, (rows,), dtype=torch.int64, generator=g)
         for vocab in vocabs:
             probs = torch.softmax(torch.randn(rows, vocab, generator=g) * 3, dim=-1)
-            sample = {"numpy unfused": numpy_sample, "sample_argmax": philox.sample_argmax}
+            sample = {"numpy unfused": numpy_sample, "sample_argmax": philox.sample_argmax,
+                      "sample_inverse_cdf": sample_inverse_cdf}
             times = {name: [] for name in [*noise, *sample]}
             reference = numpy_row_exponentials(seeds, positions, 1, vocab)
             for name, fn in noise.items():
@@ -101,31 +107,12 @@ def microbenchmark(rows_list: list[int], vocabs: list[int], reps: int, chunks: l
             table.append([rows, vocab, *(f"{1e9 * median(times[n]) / elements:.2f}" for n in noise),
                           *(f"{1e3 * median(times[n]):.3f}" for n in sample)])
             print(table[-1], flush=True)
-    print_table(table, ["rows", "vocab", *(f"{n} ns/el" for n in noise), "sample numpy ms", "sample_argmax ms"])
-
-
-def host_overhead_with_numpy(argv: list[str]) -> int:
-    """bench.host_overhead with the numpy noise in every place that drew it before (the sampler, the tree drafter,
-    the CPU references' residual draws)."""
-    import specdec.kernels.block_verify as block_verify
-    import specdec.kernels.spec_sample as spec_sample
-    import specdec.kernels.tree_sample as tree_sample
-    import specdec.sampling.sampler as sampler
-    import specdec.spec_decode.proposers.draft_tree as draft_tree
-    from bench import host_overhead
-
-    sampler.sample_argmax = numpy_sample
-    for module in (draft_tree, block_verify, spec_sample, tree_sample):
-        module.row_exponentials = numpy_row_exponentials
-    return host_overhead.main(argv)
+    print_table(table, ["rows", "vocab", *(f"{n} ns/el" for n in noise), "sample numpy ms", "sample_argmax ms",
+                        "inverse_cdf ms"])
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--host-overhead"]:
-        if argv[1:2] != ["numpy"]:
-            raise ValueError(f"--host-overhead takes 'numpy' then bench.host_overhead's flags; got {argv[1:2]}")
-        return host_overhead_with_numpy(argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--vocab", type=int, nargs="+", default=[512, 32000, 128256])

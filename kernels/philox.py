@@ -27,7 +27,14 @@ wrong words). Noise over a vocabulary is drawn on the tensors' device, never on 
   the division stay eager torch, so a sampled token is bit-for-bit the argmax an unfused reference computes.
   (No numpy on this path any more; the numpy twin lives on in the tests as an oracle.)
 
-:func:`sample_argmax` is ``argmax(p / E)`` per row without materialising ``[R, V]`` noise on the CPU.
+Two kinds of draw use it. A categorical draw takes ONE uniform per row, :func:`draw_uniforms` (46 random bits from
+indices 0 and 1 of (seed, position, stream): one Philox block; Triton twin :func:`draw_uniform_tl`), which
+``specdec.kernels.inverse_cdf`` turns into a token - the plain sampler, a draft model's chains and every
+verification's recovered / bonus token. Noise over a whole row (:func:`row_uniforms`, :func:`row_exponentials`) is
+left to what one uniform cannot do: the tree drafter's children drawn without replacement (the top-c of
+``q / E``, Gumbel-top-c). :func:`sample_argmax` (``argmax(p / E)`` per row without materialising ``[R, V]`` noise on
+the CPU) is the exponential race the sampler used before the inverse CDF; nothing on the decoding path calls it
+now (``bench.philox_cpu`` times it).
 """
 
 import sys
@@ -287,6 +294,29 @@ def row_exponentials(seeds: torch.Tensor, positions: torch.Tensor, stream: int, 
     return -torch.log(row_uniforms(seeds, positions, stream, n))
 
 
+def uniforms_to_draw(u0: torch.Tensor, u1: torch.Tensor) -> torch.Tensor:
+    """One float64 uniform with 46 random bits from two fp32 uniforms: ``u0 + (u1 - 0.5) * 2**-23``.
+
+    Exact in float64: with ``u0 = (2a + 1) 2**-24`` and ``u1 = (2b + 1) 2**-24`` it is ``(2m + 1) 2**-47`` with
+    ``m = a * 2**23 + b`` - u1 refines u0's cell of width 2**-23 -, so it lies in (0, 1), never 0 or 1."""
+    return u0.to(torch.float64) + (u1.to(torch.float64) - 0.5) * 2.0**-23
+
+
+def draw_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """The one uniform of a draw per row: float64 ``[R]`` in (0, 1) from int64 ``seeds [R]`` and
+    ``positions [R]``, on ``seeds``' device - :func:`uniforms_to_draw` of indices 0 and 1 of (seed, position,
+    stream), i.e. two words of one Philox block. Inverse-CDF sampling (``specdec.kernels.inverse_cdf``) turns it
+    into a token; the kernels compute the same number with :func:`draw_uniform_tl`."""
+    seeds, positions = seeds.long(), positions.long().to(seeds.device)
+    if seeds.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float64, device=seeds.device)
+    if seeds.is_cuda:
+        u = _block_uniforms(seeds, positions, stream, 0, 1)  # (R, 1, 4)
+    else:
+        u = _cpu_block_uniforms(seeds.contiguous(), positions.contiguous(), stream, 0, 1)  # (R, 2, 4)
+    return uniforms_to_draw(u[:, 0, 0], u[:, 0, 1])
+
+
 def sample_argmax(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Exact categorical sampling ``argmax(p / E)`` per row, E ~ Exp(1) from Philox(seed, position, stream): int64
     ``[R]`` on ``probs``' device, bit-for-bit ``(probs / row_exponentials(...)).argmax(-1)``.
@@ -344,3 +374,12 @@ def philox_uniform_tl(seed, position, stream, index):
         k1 = k1 + 0xBB67AE85
     word = tl.where(lane == 0, c0, tl.where(lane == 1, c1, tl.where(lane == 2, c2, c3)))
     return ((word >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
+
+
+@triton.jit
+def draw_uniform_tl(seed, position, stream):
+    """Triton twin of :func:`draw_uniforms` for one row (float64 scalar); ``seed``/``position`` int64 scalars."""
+    zero = position.to(tl.int64) * 0
+    u0 = philox_uniform_tl(seed, position, stream, zero)
+    u1 = philox_uniform_tl(seed, position, stream, zero + 1)
+    return u0.to(tl.float64) + (u1.to(tl.float64) - 0.5) * 1.1920928955078125e-07  # 2**-23

@@ -1,10 +1,12 @@
-"""Plain (non-speculative) next-token sampling: penalties -> standardize -> exact sampling by Philox noise."""
+"""Plain (non-speculative) next-token sampling: penalties -> standardize -> exact sampling by inverse CDF with one
+Philox uniform per row."""
 
 from __future__ import annotations
 
 import torch
 
-from specdec.kernels.philox import STREAM_SAMPLE, sample_argmax
+from specdec.kernels.inverse_cdf import sample_inverse_cdf
+from specdec.kernels.philox import STREAM_SAMPLE
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import PenaltyCounts
@@ -17,9 +19,10 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
-    """Exact categorical sampling ``argmax(p / E)``, E ~ Exp(1) from Philox(seed, position, stream): int64 ``[R]``
-    on ``probs``' device (the noise drawn there; on CPU a chunk at a time, never an ``[R, V]`` tensor)."""
-    return sample_argmax(probs, seeds, positions, stream)
+    """Exact categorical sampling of each row of ``probs [R, V]`` by inverse CDF: one uniform U per row from
+    Philox(seed, position, stream), the token the first id whose cumulative probability exceeds U times the row's
+    total (``specdec.kernels.inverse_cdf``; rows need not be normalised). int64 ``[R]`` on ``probs``' device."""
+    return sample_inverse_cdf(probs, seeds, positions, stream)
 
 
 def sample_next_tokens(

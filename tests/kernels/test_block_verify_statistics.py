@@ -32,7 +32,8 @@ from test_spec_sample_statistics import START, VOCAB, chi_square, make_model
 
 from specdec.kernels import block_verify as bv
 from specdec.kernels.block_verify import block_verify_reference
-from specdec.kernels.philox import STREAM_BLOCK_ACCEPT, STREAM_DRAFT, philox_uniform, round_stream, row_exponentials
+from specdec.kernels.inverse_cdf import sample_inverse_cdf
+from specdec.kernels.philox import STREAM_BLOCK_ACCEPT, STREAM_DRAFT, philox_uniform, round_stream
 
 F64 = torch.float64
 
@@ -230,11 +231,11 @@ def run_round(model, prev, seeds, positions, k: int, onehot: bool, drafts_by_pos
         if onehot:
             draft = model["ngram"][contexts[-1]]
         else:
+            # inverse CDF with one uniform per row, as the engine's draft model samples (sample_from_probs)
             if drafts_by_position:
-                noise = row_exponentials(seeds, positions + j, STREAM_DRAFT, VOCAB)  # (R, V)
+                draft = sample_inverse_cdf(model["Q"][contexts[-1]], seeds, positions + j, STREAM_DRAFT)
             else:
-                noise = row_exponentials(seeds, positions, round_stream(STREAM_DRAFT, j), VOCAB)  # (R, V)
-            draft = (model["Q"][contexts[-1]] / noise).argmax(dim=-1)
+                draft = sample_inverse_cdf(model["Q"][contexts[-1]], seeds, positions, round_stream(STREAM_DRAFT, j))
         contexts.append(draft)
     ctx = torch.stack(contexts, dim=1)  # (R, k + 1)
     cu = torch.arange(rows + 1, dtype=torch.int32) * k

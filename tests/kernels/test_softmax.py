@@ -137,3 +137,24 @@ def test_ops_dispatch_reaches_the_kernel() -> None:
         probs, bad_row = ops.softmax_with_temperature(logits, temperature)
     assert bad_row.tolist() == [False, True]
     torch.testing.assert_close(probs[0], torch.tensor([0.25, 0.75]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_torch_softmax_bit_for_bit(dtype) -> None:
+    """The CPU reference softmaxes in place (``aten._softmax.out`` onto its own quotient tensor) and finds bad rows
+    from a row max and min: the same bits as ``torch.softmax(x / t)`` and the same flags as an elementwise
+    isfinite, and the caller's logits are never written."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (4 * torch.randn(9, 5003, generator=gen)).to(dtype)
+    logits[1, 7] = float("nan")
+    logits[2, 0] = float("inf")
+    logits[3, -1] = -float("inf")
+    before = logits.clone()
+    temperature = torch.tensor([0.0, 1.0, 0.7, 1.3, 0.05, 2.0, 1.0, 0.9, 1e-3])
+    probs, bad_row = softmax_with_temperature_reference(logits, temperature)
+    x = logits.float()
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    assert torch.equal(bad_row, ~torch.isfinite(x).all(dim=-1))
+    good = ~bad_row
+    assert torch.equal(probs[good], torch.softmax(x / t[:, None], dim=-1)[good])
+    torch.testing.assert_close(logits, before, rtol=0, atol=0, equal_nan=True)

@@ -25,7 +25,8 @@ import torch
 from stats_helpers import chi2_isf
 
 from specdec.kernels import spec_sample as spec_sample_module
-from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
+from specdec.kernels.inverse_cdf import sample_inverse_cdf
+from specdec.kernels.philox import STREAM_DRAFT
 from specdec.kernels.softmax import softmax_with_temperature_reference
 from specdec.kernels.spec_sample import spec_sample_reference
 from specdec.kernels.top_k_top_p import top_k_top_p_min_p_reference
@@ -94,8 +95,8 @@ def run_round(model, prev, seeds, positions, num_drafts, *, onehot=False, accept
         if onehot:
             draft = model["ngram"][contexts[-1]]
         else:
-            noise = row_exponentials(seeds, positions + j, STREAM_DRAFT, VOCAB)  # (R, V)
-            draft = (model["Q"][contexts[-1]] / noise).argmax(dim=-1)
+            # inverse CDF with one uniform per row, as a draft model samples (sample_from_probs)
+            draft = sample_inverse_cdf(model["Q"][contexts[-1]], seeds, positions + j, STREAM_DRAFT)
         contexts.append(draft)
     ctx = torch.stack(contexts, dim=1)  # (R, K + 1)
     j = torch.arange(max_k + 1)
