@@ -7,8 +7,9 @@ policy decides, from what is already known (the frontier nodes' path scores and 
 each frontier node gets; the children are then drawn:
 
 - sampled requests: **without replacement** from q at their parent, as the top-c of ``q / E`` with E ~ Exp(1)
-  from Philox(seed, position, STREAM_DRAFT) (Gumbel-top-c: the first child is exactly the chain's draft, the
-  k-th is distributed as q with the earlier siblings removed and renormalised - what tree verification needs);
+  from Philox(seed, position, STREAM_DRAFT) (Gumbel-top-c: the first child is distributed as q - as the chain's
+  draft is, though not the same draw: a chain draws by inverse CDF - and the k-th as q with the earlier siblings
+  removed and renormalised, what tree verification needs);
 - greedy requests: the top-c tokens of q (deterministic: verified as one-hot children).
 
 The number of children of a node is decided before any of them is drawn, and never from their values, which is
