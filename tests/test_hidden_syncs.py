@@ -132,7 +132,9 @@ def test_engine_steps_make_no_hidden_sync(tiny_pair, mode, params):
             assert all(o.error is None for o in outputs), [o.error for o in outputs]
             steps += 1
     assert steps == 6
-    if mode != "plain":
+    # penalties keep a sampled text from repeating itself, so prompt lookup may find nothing to draft there (the
+    # draft-model modes cover verification with penalties)
+    if mode != "plain" and not (mode == "prompt_lookup" and params is PENALISED):
         assert sum(s.metrics.num_rounds for s in engine.scheduler.running) > 0, "no round was verified"
     assert not guard.found, "hidden host syncs on the step path:\n" + "\n".join(
         f"  {construct} at {where}" for construct, where in sorted(set(guard.found)))
