@@ -26,12 +26,12 @@ looks at every draft of the block, also those beyond tau, and the next round sta
 position-keyed uniforms would be reused there after having conditioned this round's decision (a bias that
 tests/kernels/test_block_verify_statistics.py detects). The round's start position grows every round (each
 emits at least one token), so these are fresh. The same holds for the drafts themselves: see "Drafts" below.
-The last token is drawn from ``max(w P - Q, 0)`` by inverse CDF with the uniform of STREAM_RESIDUAL at position
-``positions[b] + tau``, exactly as ``spec_sample`` draws its recovered / bonus token (``_residual_draw`` with a
-scale ``w`` on p), so no normalisation and no host sync. An all-zero residual (only possible at tau = 0 with
-P_0 <= Q_0 up to rounding; the stop rule needs r_tau > 0 elsewhere) samples from P_tau. The decision
-``eta * (r + 1 - w) < r`` never divides (0/0 when w = 1 and P_i = Q_i reads as "never stop here", the correct
-limit), and once w = 0 no later position can stop, so the kernel stops scanning.
+The last token is ``argmax(max(w P - Q, 0) / E)`` with E on STREAM_RESIDUAL at position ``positions[b] + tau``,
+exactly as ``spec_sample`` draws its recovered / bonus token (``_argmax_over_noise`` with a scale ``w`` on p), so
+no normalisation and no host sync. An all-zero residual (only possible at tau = 0 with P_0 <= Q_0 up to rounding;
+the stop rule needs r_tau > 0 elsewhere) samples from P_tau. The decision ``eta * (r + 1 - w) < r`` never divides
+(0/0 when w = 1 and P_i = Q_i reads as "never stop here", the correct limit), and once w = 0 no later position
+can stop, so the kernel stops scanning.
 
 Rows that fall back to the token-wise rule of ``spec_sample``, bit for bit (same streams, same decisions):
   * greedy rows (temperature 0): accept while the target's argmax equals the draft;
@@ -44,18 +44,18 @@ Rows that fall back to the token-wise rule of ``spec_sample``, bit for bit (same
 Drafts: the proof assumes x_i ~ Q_i given the text, independent of how earlier rounds were decided. Token-wise
 verification never looks past the first rejection, so the next round, which starts right after it, only draws at
 positions nobody has looked at. Block verification looks at the whole block, so a drafter whose noise is keyed by
-absolute position (``DraftModelProposer`` under "token": STREAM_DRAFT at (seed, position)) re-draws positions
+absolute position (``DraftModelDrafter`` under "token": STREAM_DRAFT at (seed, position)) re-draws positions
 ``positions[b] + tau + 1 .. positions[b] + k - 1`` in the next round with noise this round's decision depended on
 (with the same context - the recovered token equal to the draft it replaced - it is the very same token). Exact
 losslessness across rounds therefore needs draft noise fresh per round: under ``verify="block"`` the engine's draft
-model keys draft j by (seed, round start, ``round_stream(STREAM_DRAFT, j)``) (``DraftModelProposer.noise_per_round``),
+model keys draft j by (seed, round start, ``round_stream(STREAM_DRAFT, j)``) (``DraftModelDrafter.noise_per_round``),
 as the statistical test draws its drafts (and shows the position-keyed variant biased).
 
 NOTE (exactness): kernel and reference share every elementwise fp32 operation and every Philox uniform; the
 residual masses r_i are sums over the vocabulary whose order differs (per-lane partial sums + a tree reduction
 in the kernel, torch's order in the reference), so a stop decision can flip only when ``eta * (r + 1 - w)`` lies
-within an ulp or so of ``r`` (probability ~1e-7 per decision), on top of spec_sample's float64 note on the draw.
-On a GPU the compiler may also contract ``w * p - q`` into an FMA.
+within an ulp or so of ``r`` (probability ~1e-7 per decision), on top of spec_sample's ``-log`` ulp note. On a
+GPU the compiler may also contract ``w * p - q`` into an FMA.
 """
 
 from __future__ import annotations
@@ -63,13 +63,12 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels._triton import tl, triton
-from specdec.kernels.inverse_cdf import inverse_cdf
 from specdec.kernels.philox import (
     STREAM_BLOCK_ACCEPT,
     STREAM_RESIDUAL,
-    draw_uniforms,
     philox_uniform,
     philox_uniform_tl,
+    row_exponentials,
 )
 from specdec.kernels.spec_sample import (
     _accept_tokenwise,
@@ -166,8 +165,8 @@ def _block_verify_kernel(
     # an all-zero residual (tau = 0, P_0 <= Q_0 up to rounding) samples from P itself.
     scale = tl.where(n < num_drafts, w_tau, 1.0)
     token = _chain_final_token(draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft,
-                               first_target, n, num_drafts, greedy, onehot, scale, seed, position,
-                               vocab_size)  # fmt: skip
+                               first_target, n, num_drafts, greedy, onehot, scale, seed, position, vocab_size,
+                               BLOCK_V)  # fmt: skip
     cols = tl.arange(0, BLOCK_K)
     accepted = tl.load(draft_ids_ptr + first_draft + cols, mask=cols < n, other=-1)  # (BLOCK_K,)
     tl.store(out_row_ptr + cols, accepted, mask=cols < n)
@@ -266,7 +265,7 @@ def block_verify_reference(
 
 def _block_rows(idx, draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, seeds, positions, max_k):
     """Block verification of requests ``idx [S]``: ``(tokens int64 [S, max_k + 1], tau int64 [S])``."""
-    device = target_probs.device
+    device, vocab = target_probs.device, target_probs.shape[1]
     num_total = draft_token_ids.shape[0]
     cu = cu_num_draft_tokens.long()
     first_draft = cu[:-1][idx]  # (S,)
@@ -305,7 +304,8 @@ def _block_rows(idx, draft_token_ids, cu_num_draft_tokens, draft_probs, target_p
         q = torch.where(rejected[:, None], draft_probs[(first_draft + tau).clamp(max=num_total - 1)], q)
     residual = torch.clamp(scale[:, None] * p - q, min=0.0)  # (S, V)
     dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
-    token = inverse_cdf(dist, draw_uniforms(seed, position + tau, STREAM_RESIDUAL))  # (S,)
+    noise = row_exponentials(seed, position + tau, STREAM_RESIDUAL, vocab)  # (S, V)
+    token = (dist / noise).argmax(dim=-1)  # (S,)
 
     tokens = torch.where(j[None, :] < tau[:, None], drafts, -1)  # (S, K) accepted prefix
     tokens = torch.cat([tokens, tokens.new_full((idx.shape[0], 1), -1)], dim=1)  # (S, K + 1)

@@ -7,16 +7,16 @@ cumulative sum of ``w`` in token-id order and ``total = C(V - 1)``: token i is d
 ``w_i / total``, and a token of weight 0 never (its interval is empty). One Philox evaluation per row instead of
 a V-wide noise row (the exponential race ``argmax(w / E)`` it replaces cost 7-20 ns per element on CPU).
 
-How the cumulative sum is computed, so that every implementation (the torch code here, which is the CPU path and
-runs on CUDA tensors too, and the Triton kernels of spec_sample / block_verify / tree_sample) picks the same token:
+How the cumulative sum is computed (the torch code here runs on CPU and CUDA tensors alike, the same way on both;
+the canonical chunk order keeps a kernel port able to pick the same token - the verification kernels, which
+draw their recovered / bonus token by the exponential race instead, see docs/kernels.md):
 
 - Chunks of ``CDF_CHUNK`` = 256 ids (the last one zero-padded). A chunk's weight ``S_c`` is an fp32 sum in one
   canonical order, not "whatever order a reduction uses": halve the chunk, add element i to element i + h, and
-  repeat (h = 128, 64, ..., 1). Each step is an elementwise IEEE addition, so torch (in-place strided adds, on
-  CPU or CUDA) and Triton (the chunk held as a (2, 2, ..., 2) tensor, reduced over axis 0 eight times: one
-  addition per pair) produce the same bits. A reduction in a free order would differ in the last bit between a
-  kernel and its reference and move the chunk boundaries by ~1e-7: a token mismatch in ~1e-6 of the draws at
-  V = 128K. (One read of the row on CPU, no [R, V] temporary: 2-8x a plain ``sum``, far below the noise it
+  repeat (h = 128, 64, ..., 1). Each step is an elementwise IEEE addition, so torch on CPU and on CUDA (in-place
+  strided adds) produce the same bits. A reduction in a free order would differ in the last bit between devices
+  and move the chunk boundaries by ~1e-7: a token mismatch in ~1e-6 of the draws at V = 128K. (One read of the
+  row on CPU, no [R, V] temporary: 2-8x a plain ``sum``, far below the noise it
   replaces.)
 - ``cum_c = cum_(c-1) + S_c`` in float64, sequentially (torch's CPU cumsum; the kernels add one chunk per loop
   iteration), ``total = cum_(C-1)``, ``t = U * total`` capped at the largest float64 below the total (``U *
@@ -30,25 +30,21 @@ runs on CUDA tensors too, and the Triton kernels of spec_sample / block_verify /
 - Robustness: when rounding puts the rescaled threshold at or past ``L_last``, the token is the chunk's last id
   with a nonzero weight - never a zero-weight token. A row whose total is 0, NaN or inf passes no chunk and
   gives token 0 (an all-zero row: as the exponential race gave; NaN/inf: garbage, never an out-of-range index -
-  callers flag such rows). Callers that can meet an all-zero row (a verification residual with p <= q) test
-  for it and sample from p instead.
+  callers flag such rows).
 
-Where implementations may still differ: float64 rounding only (``torch.cumsum`` on CUDA scans in parallel,
-``tl.cumsum`` is a tree), so a token mismatch needs a threshold within ~1e-16 of a boundary. The uniform has 46
-random bits (2**-46 ~ 1.4e-14), far finer than fp32 probabilities.
+Where CPU and CUDA may still differ: float64 rounding only (``torch.cumsum`` on CUDA scans in parallel), so a token
+mismatch needs a threshold within ~1e-16 of a boundary. The uniform has 46 random bits (2**-46 ~ 1.4e-14), far
+finer than fp32 probabilities.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.kernels._triton import tl, triton
 from specdec.kernels.philox import draw_uniforms
 
 CDF_CHUNK = 256  # ids per chunk of the two-level search (a power of two; part of the contract, see above)
-_CDF_CHUNK: tl.constexpr = tl.constexpr(CDF_CHUNK)
 BELOW_ONE = 1.0 - 2.0**-53  # total * BELOW_ONE is the largest float64 below a (normal, > 0) total
-_BELOW_ONE: tl.constexpr = tl.constexpr(BELOW_ONE)
 _ROW_BLOCK_ELEMENTS = 1 << 20  # chunk sums a block of rows at a time: its fp32 scratch stays ~4 MB
 
 
@@ -140,46 +136,3 @@ def _last_positive(x: torch.Tensor) -> torch.Tensor:
     """int64 ``[R]``: the last column of ``x [R, N]`` holding a value > 0, or 0 where there is none."""
     cols = torch.arange(x.shape[-1], device=x.device)
     return torch.where(x > 0, cols, 0).amax(dim=-1)
-
-
-# ------------------------------------------------------------------------------------------------------ Triton
-
-
-@triton.jit
-def _chunk_ids():
-    """The ids 0..255 of a chunk as an 8-D (2, 2, ..., 2) int32 tensor: id = sum_k b_k 2**(7 - k) (axis 0 holds
-    the 128s bit, axis 7 the 1s), so :func:`_chunk_sum` halves the chunk with reductions over axis 0 and no
-    reshape of register data (a reshape per halving moved every value through shared memory and spilled)."""
-    b = tl.arange(0, 2)
-    return (b[:, None, None, None, None, None, None, None] * 128 + b[None, :, None, None, None, None, None, None] * 64
-            + b[None, None, :, None, None, None, None, None] * 32 + b[None, None, None, :, None, None, None, None] * 16
-            + b[None, None, None, None, :, None, None, None] * 8 + b[None, None, None, None, None, :, None, None] * 4
-            + b[None, None, None, None, None, None, :, None] * 2 + b[None, None, None, None, None, None, None, :])
-
-
-@triton.jit
-def _chunk_sum(x):
-    """Canonical halving sum (module docstring) of a chunk ``x`` laid out by :func:`_chunk_ids`: the bits
-    :func:`chunk_sums` gives. Each reduction over an axis of 2 is one addition per pair: x[i] + x[i + h]."""
-    x = tl.sum(x, axis=0)  # h = 128
-    x = tl.sum(x, axis=0)  # 64
-    x = tl.sum(x, axis=0)  # 32
-    x = tl.sum(x, axis=0)  # 16
-    x = tl.sum(x, axis=0)  # 8
-    x = tl.sum(x, axis=0)  # 4
-    x = tl.sum(x, axis=0)  # 2
-    return tl.sum(x, axis=0)  # 1
-
-
-@triton.jit
-def _pick_in_chunk(local, t, base, mass):
-    """The lane (int32) of a (256,) chunk of weights ``local`` holding the token for threshold ``t`` (float64),
-    ``base`` = cum before the chunk and ``mass`` = its fp32 canonical sum: the first lane whose float64 running
-    sum passes the rescaled threshold (``L_i * S_c > (t - base) * L_last``: no float64 division, which ptxas
-    compiles to a subroutine call with a stack frame), else (rounding) the last lane with weight, else 0."""
-    lanes = tl.arange(0, _CDF_CHUNK)
-    running = tl.cumsum(local.to(tl.float64), axis=0)
-    limit = (t - base) * tl.max(running, axis=0)  # running is nondecreasing: its max is L_last
-    first = tl.min(tl.where(running * mass.to(tl.float64) > limit, lanes, _CDF_CHUNK), axis=0)
-    last = tl.max(tl.where(local > 0.0, lanes, 0), axis=0)
-    return tl.where(first < _CDF_CHUNK, first, last)

@@ -28,13 +28,14 @@ wrong words). Noise over a vocabulary is drawn on the tensors' device, never on 
   (No numpy on this path any more; the numpy twin lives on in the tests as an oracle.)
 
 Two kinds of draw use it. A categorical draw takes ONE uniform per row, :func:`draw_uniforms` (46 random bits from
-indices 0 and 1 of (seed, position, stream): one Philox block; Triton twin :func:`draw_uniform_tl`), which
-``specdec.kernels.inverse_cdf`` turns into a token - the plain sampler, a draft model's chains and every
-verification's recovered / bonus token. Noise over a whole row (:func:`row_uniforms`, :func:`row_exponentials`) is
-left to what one uniform cannot do: the tree drafter's children drawn without replacement (the top-c of
-``q / E``, Gumbel-top-c). :func:`sample_argmax` (``argmax(p / E)`` per row without materialising ``[R, V]`` noise on
-the CPU) is the exponential race the sampler used before the inverse CDF; nothing on the decoding path calls it
-now (``bench.philox_cpu`` times it).
+indices 0 and 1 of (seed, position, stream): one Philox block), which ``specdec.kernels.inverse_cdf`` turns into a
+token - the plain sampler and a draft model's chains. Noise over a whole row (:func:`row_uniforms`,
+:func:`row_exponentials`) is left to what one uniform does not do: the tree drafter's children drawn without
+replacement (the top-c of ``q / E``, Gumbel-top-c), and the verification kernels' recovered / bonus token
+(``argmax(r / E)``, kernels/spec_sample.py: an inverse-CDF port of those kernels was 5x slower on an H200 and
+disagreed with its reference inside a chunk; docs/kernels.md). :func:`sample_argmax` (``argmax(p / E)`` per row
+without materialising ``[R, V]`` noise on the CPU) is the exponential race the sampler used before the inverse
+CDF; nothing on the decoding path calls it now (``bench.philox_cpu`` times it).
 """
 
 import sys
@@ -306,7 +307,7 @@ def draw_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> 
     """The one uniform of a draw per row: float64 ``[R]`` in (0, 1) from int64 ``seeds [R]`` and
     ``positions [R]``, on ``seeds``' device - :func:`uniforms_to_draw` of indices 0 and 1 of (seed, position,
     stream), i.e. two words of one Philox block. Inverse-CDF sampling (``specdec.kernels.inverse_cdf``) turns it
-    into a token; the kernels compute the same number with :func:`draw_uniform_tl`."""
+    into a token."""
     seeds, positions = seeds.long(), positions.long().to(seeds.device)
     if seeds.shape[0] == 0:
         return torch.zeros(0, dtype=torch.float64, device=seeds.device)
@@ -374,12 +375,3 @@ def philox_uniform_tl(seed, position, stream, index):
         k1 = k1 + 0xBB67AE85
     word = tl.where(lane == 0, c0, tl.where(lane == 1, c1, tl.where(lane == 2, c2, c3)))
     return ((word >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08
-
-
-@triton.jit
-def draw_uniform_tl(seed, position, stream):
-    """Triton twin of :func:`draw_uniforms` for one row (float64 scalar); ``seed``/``position`` int64 scalars."""
-    zero = position.to(tl.int64) * 0
-    u0 = philox_uniform_tl(seed, position, stream, zero)
-    u1 = philox_uniform_tl(seed, position, stream, zero + 1)
-    return u0.to(tl.float64) + (u1.to(tl.float64) - 0.5) * 1.1920928955078125e-07  # 2**-23

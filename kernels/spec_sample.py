@@ -18,20 +18,17 @@ Triton program per request. Layout (flattened like vLLM's rejection sampler; N =
 Per request, draft j sits at position positions[b] + j and the bonus at positions[b] + k_b.
 Sampled rows accept draft x_j iff ``u_j * q(x_j) < p(x_j)`` (P = min(1, p/q) without a division; q = 0 never
 divides), u_j = philox(seed, position, STREAM_ACCEPT, 0). At the first rejection the token is drawn from
-norm(max(p - q, 0)) by inverse CDF (``specdec.kernels.inverse_cdf``) with the one uniform of (seed, position,
-STREAM_RESIDUAL) - the first id whose cumulative residual passes U times the residual's total - so no
-normalisation and no host sync; if that residual is all zero (p <= q up to rounding) it is drawn from p the same
-way. All accepted: the bonus is drawn from p_k on the same stream at the bonus position (q = 0 there, so it is
-the same formula). One-hot drafts: q = onehot(x), i.e. accept with probability p(x) and the residual is p with x
-zeroed; draft_probs is never read for those rows. Greedy rows accept while target_argmax == draft and emit
-target_argmax at the first mismatch (or at the bonus row).
+norm(max(p - q, 0)) as ``argmax(max(p - q, 0) / E)``, E_v = -log(philox(seed, position, STREAM_RESIDUAL, v)), so
+no normalisation and no host sync; if that residual is all zero (p <= q up to rounding) it is drawn from p the
+same way. All accepted: the bonus is ``argmax(p_k / E)`` on the same stream at the bonus position (q = 0 there,
+so it is the same formula). One-hot drafts: q = onehot(x), i.e. accept with probability p(x) and the residual is
+p with x zeroed; draft_probs is never read for those rows. Greedy rows accept while target_argmax == draft and
+emit target_argmax at the first mismatch (or at the bonus row).
 
-NOTE (exactness): kernel and reference use the same Philox uniforms bit for bit, the same fp32 products and
-differences, and the inverse CDF's canonical fp32 chunk sums (the same bits in Triton and torch); only its
-float64 running sums may differ in the last bit (a parallel scan on a GPU), which changes a token only when the
-threshold lies within ~1e-16 of a boundary, so the two agree token for token in practice. The kernel's
-vocabulary loops for the draw walk 256-id chunks whatever ``block_v`` is (``block_v`` sizes block_verify's
-residual-mass passes).
+NOTE (exactness): kernel and reference use the same Philox uniforms bit for bit and the same fp32 products,
+differences and (round-to-nearest) quotients; only ``-log(u)`` may differ by an ulp between ``torch.log`` and
+``tl.log``. That can flip an argmax only when two candidates' scores tie to within an ulp, which is
+astronomically unlikely for continuous noise, so the two agree token for token in practice.
 """
 
 from __future__ import annotations
@@ -42,15 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.kernels._triton import tl, triton
-from specdec.kernels.inverse_cdf import _BELOW_ONE, _CDF_CHUNK, _chunk_ids, _chunk_sum, _pick_in_chunk, inverse_cdf
-from specdec.kernels.philox import (
-    STREAM_ACCEPT,
-    STREAM_RESIDUAL,
-    draw_uniform_tl,
-    draw_uniforms,
-    philox_uniform,
-    philox_uniform_tl,
-)
+from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
 _STREAM_RESIDUAL: tl.constexpr = tl.constexpr(STREAM_RESIDUAL)
@@ -60,17 +49,15 @@ _STREAM_RESIDUAL: tl.constexpr = tl.constexpr(STREAM_RESIDUAL)
 class SpecSampleConfig:
     """Launch settings of the kernel for one vocabulary size."""
 
-    block_v: int  # vocabulary chunk of block_verify's residual-mass loop (power of two); the draw uses 256-id chunks
+    block_v: int  # vocabulary chunk of the residual/bonus argmax loop (power of two)
     num_warps: int
 
 
 def spec_sample_config(vocab_size: int) -> SpecSampleConfig:
     """Fixed heuristic (no autotune): chunks of up to 2048 tokens; the kernel loops over longer vocabularies.
 
-    NOTE: tuned when the residual/bonus draw was an argmax over Philox noise in these chunks (2048 over 8 warps
-    kept the Philox rounds in registers); the inverse-CDF draw now walks 256-id chunks (one per thread at 8
-    warps) and ``block_v`` sizes only block_verify's residual-mass passes. Both compile without spills
-    (tests/kernels/test_gpu_compile_spec_sample.py, test_gpu_compile_block_verify.py).
+    NOTE: a chunk holds p, q, the Philox state (4 counters + 2 keys) and the score per element; 2048 over
+    8 warps is 8 elements per thread, which keeps the Philox rounds in registers without spilling.
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
@@ -79,69 +66,61 @@ def spec_sample_config(vocab_size: int) -> SpecSampleConfig:
 
 
 @triton.jit
-def _residual_chunk(p_row_ptr, q_row_ptr, load_q, onehot_token, p_scale, q_scale, excluded_ptr, num_excluded, offs,
-                    vocab_size):  # fmt: skip
-    """The residual ``max(w p - a q, 0)`` on the ids ``offs`` (fp32, 0 outside the vocabulary and at the excluded
-    tokens): w = ``p_scale``, a = ``q_scale``, q the draft row where ``load_q`` (else 0) with 1 at ``onehot_token``
-    (-1: none), excluded = the ``num_excluded`` int64 tokens at ``excluded_ptr`` (tree_sample's rejected siblings;
-    never read when 0). w = a = 1 and nothing excluded is spec_sample's plain residual bit for bit (1.0 * x is
-    exact); tree_sample passes w = 1 and its running scale A as a."""
-    in_vocab = offs < vocab_size
-    p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
-    q = tl.load(q_row_ptr + offs, mask=tl.where(load_q, in_vocab, False), other=0.0)
-    q = tl.where(offs == onehot_token, 1.0, q)
-    keep = in_vocab
-    for j in range(0, num_excluded):  # a node's rejected children so far (a handful)
-        keep = keep & (offs != tl.load(excluded_ptr + j))
-    return tl.where(keep, tl.maximum(p_scale * p - q_scale * q, 0.0), 0.0)
+def _argmax_over_noise(
+    p_row_ptr,  # fp32 [V] target row
+    q_row_ptr,  # fp32 [V] draft row (read only where load_q)
+    load_q,  # scalar bool: subtract the draft row
+    onehot_token,  # scalar int: subtract a one-hot q at this token (-1: none)
+    p_scale,  # scalar fp32: weight w on the target row (1.0 here; block verification's w_tau in block_verify.py)
+    seed,
+    position,
+    vocab_size,
+    BLOCK_V: tl.constexpr,
+):
+    """(argmax_v max(w p_v - q_v, 0) / E_v, max_v max(w p_v - q_v, 0)), E_v = -log(philox(seed, position, v)),
+    w = ``p_scale`` (1.0 * p is exact, so w = 1 is the plain residual bit for bit).
+
+    Per-lane running state (vectors of BLOCK_V: best score, its index, max residual), reduced across lanes once
+    after the loop. Ties resolve to the lowest index, like torch.argmax: within a lane a later chunk must be
+    strictly better, and across lanes the smallest index among the lanes holding the maximum wins.
+    """
+    lanes = tl.arange(0, BLOCK_V)
+    best_score = tl.full([BLOCK_V], -1.0, tl.float32)  # below every real score (>= 0)
+    best_index = lanes  # int32; a lane that never sees a token keeps score -1 and is never chosen
+    max_residual = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        offs = start + lanes  # (BLOCK_V,)
+        in_vocab = offs < vocab_size
+        p = tl.load(p_row_ptr + offs, mask=in_vocab, other=0.0)
+        q = tl.load(q_row_ptr + offs, mask=tl.where(load_q, in_vocab, False), other=0.0)
+        q = tl.where(offs == onehot_token, 1.0, q)
+        residual = tl.maximum(p_scale * p - q, 0.0)
+        best_score, best_index, max_residual = _noise_argmax_update(
+            residual, in_vocab, offs, seed, position, best_score, best_index, max_residual
+        )
+    return _noise_argmax_reduce(best_score, best_index, max_residual)
 
 
 @triton.jit
-def _residual_draw(p_row_ptr, q_row_ptr, load_q, onehot_token, p_scale, q_scale, excluded_ptr, num_excluded, u,
-                   vocab_size):  # fmt: skip
-    """The token (int64) drawn from the residual (:func:`_residual_chunk`'s arguments) with the float64 uniform
-    ``u``, exactly as ``specdec.kernels.inverse_cdf.inverse_cdf`` draws it - or from p itself (w = 1, no q, nothing
-    excluded) when the residual is all zero (p <= q up to rounding), as the references do.
+def _noise_argmax_update(residual, in_vocab, offs, seed, position, best_score, best_index, max_residual):
+    """One chunk (all (BLOCK_V,)) of the running per-lane argmax of ``residual / E`` (E_v = -log(philox(seed,
+    position, STREAM_RESIDUAL, v))) and max of ``residual``; returns the updated (best_score, best_index,
+    max_residual). Shared with tree_sample's ``_residual_argmax``."""
+    noise = -tl.log(philox_uniform_tl(seed, position, _STREAM_RESIDUAL, offs))  # Exp(1), finite, > 0
+    score = tl.where(in_vocab, tl.math.div_rn(residual, noise), -1.0)
+    better = score > best_score  # strict: the lane's earlier (lower) index wins ties
+    best_index = tl.where(better, offs, best_index)
+    best_score = tl.where(better, score, best_score)
+    max_residual = tl.maximum(max_residual, residual)
+    return best_score, best_index, max_residual
 
-    One loop over 256-id chunks, in phases: add up the total (the canonical fp32 sum of each chunk, one chunk at
-    a time in id order: inverse_cdf's sequential float64 ``cum``), again over p if that total is 0, then from the
-    start again until the running sum passes ``t = u * total`` (capped below the total); then the lane
-    :func:`_pick_in_chunk` finds in that chunk (token 0 if none passed: an all-zero or NaN row). ONE copy of the
-    chunk code in a while loop (no ``break`` on GPUs): separate loops per phase spilled on sm_80 / sm_90."""
-    ids = _chunk_ids()
-    t = tl.zeros([], tl.float64)
-    carry = t  # the running sum after the chunks seen so far in this phase
-    base = t  # ... and before the last of them
-    mass = tl.zeros([], tl.float32)  # the last chunk's canonical sum
-    residual = ids.to(tl.float32) * 0.0  # the last chunk's residual
-    use_residual = vocab_size >= 0  # True: the residual (False: p after an all-zero residual)
-    counting = use_residual  # the phase: adding up the total (False: searching)
-    found = vocab_size < 0  # False
-    start = vocab_size * 0
-    running = vocab_size > 0
-    while running:
-        residual = _residual_chunk(p_row_ptr, q_row_ptr, load_q & use_residual,
-                                   tl.where(use_residual, onehot_token, -1), tl.where(use_residual, p_scale, 1.0),
-                                   q_scale, excluded_ptr, tl.where(use_residual, num_excluded, 0), start + ids,
-                                   vocab_size)  # fmt: skip
-        mass = _chunk_sum(residual)
-        base = carry
-        carry = base + mass.to(tl.float64)
-        start += _CDF_CHUNK
-        found = (not counting) & (carry > t)
-        if counting & (start >= vocab_size):  # carry is the total
-            redo = use_residual & (carry <= 0.0)  # an all-zero residual: add up p instead
-            t = u * carry
-            cap = carry * _BELOW_ONE
-            t = tl.where(t > cap, cap, t)  # NaN stays NaN
-            counting = redo
-            use_residual = use_residual & (not redo)
-            carry = carry * 0.0
-            start = start * 0
-        running = counting | ((not found) & (start < vocab_size))
-    # The loop stopped at the chunk that passed t, whose residual it still holds (in id order once flattened).
-    lane = _pick_in_chunk(tl.reshape(residual, [_CDF_CHUNK]), t, base, mass)
-    return tl.where(found, start - _CDF_CHUNK + lane, 0).to(tl.int64)  # none passed: an all-zero or NaN row
+
+@triton.jit
+def _noise_argmax_reduce(best_score, best_index, max_residual):
+    """(argmax, max residual) across lanes: the lowest index among the lanes holding the best score."""
+    top = tl.max(best_score, 0)
+    index = tl.min(tl.where(best_score == top, best_index, 0x7FFFFFFF), 0)  # lowest index among the tied lanes
+    return index, tl.max(max_residual, 0)
 
 
 @triton.jit
@@ -194,11 +173,11 @@ def _accept_tokenwise(
 @triton.jit
 def _chain_final_token(
     draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft, first_target, n, num_drafts,
-    greedy, onehot, p_scale, seed, position, vocab_size,
+    greedy, onehot, p_scale, seed, position, vocab_size, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """The token after n accepted drafts (int64): the target's argmax on greedy rows, else the inverse-CDF draw
-    (uniform from Philox(seed, position + n, STREAM_RESIDUAL)) from ``max(w p_n - q_n, 0)`` (w = ``p_scale``; q_n = 0
-    at the bonus row), or from p_n itself when that residual is all zero (p <= q up to rounding)."""
+    """The token after n accepted drafts (int64): the target's argmax on greedy rows, else
+    ``argmax(max(w p_n - q_n, 0) / E)`` at position + n (w = ``p_scale``; q_n = 0 at the bonus row), or from p_n
+    itself when that residual is all zero (p <= q up to rounding)."""
     final_row = first_target + n
     token = tl.load(target_argmax_ptr + final_row)
     if not greedy:
@@ -206,9 +185,17 @@ def _chain_final_token(
         rejected_draft = tl.load(draft_ids_ptr + first_draft + n, mask=rejected & onehot, other=-1)
         p_row_ptr = target_probs_ptr + final_row * vocab_size
         q_row_ptr = draft_probs_ptr + (first_draft + n) * vocab_size
-        u = draw_uniform_tl(seed, position + n, _STREAM_RESIDUAL)
-        token = _residual_draw(p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, p_scale, 1.0,
-                               draft_ids_ptr, 0, u, vocab_size)  # fmt: skip
+        sampled, max_residual = _argmax_over_noise(
+            p_row_ptr, q_row_ptr, rejected & (not onehot), rejected_draft, p_scale, seed, position + n, vocab_size,
+            BLOCK_V,
+        )
+        if max_residual <= 0.0:  # residual all zero: sample from p itself
+            no_q = rejected & False
+            no_onehot = rejected_draft * 0 - 1
+            sampled, max_residual = _argmax_over_noise(
+                p_row_ptr, q_row_ptr, no_q, no_onehot, 1.0, seed, position + n, vocab_size, BLOCK_V
+            )
+        token = sampled.to(tl.int64)
     return token
 
 
@@ -252,8 +239,8 @@ def _spec_sample_kernel(
                           vocab_size)  # fmt: skip
     # One more token at position n: the recovered token after a rejection, or the bonus token.
     token = _chain_final_token(draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft,
-                               first_target, n, num_drafts, greedy, onehot, 1.0, seed, position,
-                               vocab_size)  # fmt: skip
+                               first_target, n, num_drafts, greedy, onehot, 1.0, seed, position, vocab_size,
+                               BLOCK_V)  # fmt: skip
     _finish_row(out_row_ptr, num_accepted_ptr, req, n, token, max_num_draft_tokens, BLOCK_K)
 
 
@@ -330,9 +317,8 @@ def with_block_v(config, block_v: int | None):
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Unnormalised residual ``max(p - q, 0)`` (fp32 ``[R, V]``, a new tensor); a named step so tests can plant
-    mutants in it."""
-    return (p - q).clamp_(min=0.0)
+    """Unnormalised residual ``max(p - q, 0)`` (fp32 ``[R, V]``); a named step so tests can plant mutants in it."""
+    return torch.clamp(p - q, min=0.0)
 
 
 def spec_sample_reference(
@@ -354,7 +340,7 @@ def spec_sample_reference(
     _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax, is_greedy,
                   draft_is_onehot, seeds, positions, max_num_draft_tokens, read_values=True)  # fmt: skip
     device = target_probs.device
-    batch, max_k = seeds.shape[0], max_num_draft_tokens
+    batch, vocab, max_k = seeds.shape[0], target_probs.shape[1], max_num_draft_tokens
     num_total = draft_token_ids.shape[0]
     onehot = torch.ones_like(draft_is_onehot) if draft_probs is None else draft_is_onehot
     rows = torch.arange(batch, device=device)  # (B,)
@@ -377,28 +363,25 @@ def spec_sample_reference(
     ok = torch.where(is_greedy[:, None], target_argmax[target_row] == drafts, u * q_x < p_x) & has_draft
     n = ok.long().cumprod(dim=-1).sum(dim=-1)  # (B,) length of the accepted prefix
 
-    # The recovered token at the first rejection, or the bonus token, at position n - for the sampled rows only
-    # (greedy rows keep the target's argmax), each [S, V] step a fresh tensor at most once.
-    # NOTE: boolean indexing syncs on CUDA, which is fine for a reference.
+    # The recovered token at the first rejection, or the bonus token, at position n.
     rejected = n < num_drafts  # (B,)
     final_row = cu[:-1] + rows + n  # (B,)
+    p = target_probs[final_row]  # (B, V)
+    q = torch.zeros_like(p)  # (B, V): no draft to subtract at the bonus position
     rejected_draft = drafts.gather(1, n.clamp(max=max(max_k - 1, 0))[:, None]).squeeze(1) if max_k else rows * 0
-    token = target_argmax[final_row]  # (B,)
-    sampled = (~is_greedy).nonzero().squeeze(1)  # (S,)
-    p = target_probs[final_row[sampled]]  # (S, V)
-    q = torch.zeros_like(p)  # (S, V): no draft to subtract at the bonus position
     if model_q is not None:
-        with_q = (rejected & ~onehot)[sampled].nonzero().squeeze(1)  # rows whose q is the draft model's
-        q[with_q] = model_q[(cu[:-1] + n)[sampled][with_q].clamp(max=num_total - 1)]
-    with_onehot = (rejected & onehot)[sampled].nonzero().squeeze(1)  # q = onehot(the rejected draft)
-    q[with_onehot, rejected_draft[sampled][with_onehot]] = 1.0
-    residual = residual_distribution(p, q)  # (S, V)
-    # an all-zero residual (p <= q up to rounding): sample from p - the kernels' test (total <= 0), so a NaN row
-    # keeps its residual as they do
-    from_p = (residual.amax(dim=-1) <= 0).nonzero().squeeze(1)
-    residual[from_p] = p[from_p]
-    u = draw_uniforms(seeds[sampled], positions[sampled] + n[sampled], STREAM_RESIDUAL)  # (S,) float64
-    token[sampled] = inverse_cdf(residual, u)
+        q_rows = model_q[(cu[:-1] + n).clamp(max=num_total - 1)]  # (B, V)
+        q = torch.where((rejected & ~onehot)[:, None], q_rows, q)
+    onehot_q = torch.nn.functional.one_hot(rejected_draft, vocab).float()  # (B, V)
+    q = torch.where((rejected & onehot)[:, None], onehot_q, q)
+    residual = residual_distribution(p, q)  # (B, V)
+    dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
+    token = target_argmax[final_row]  # (B,) greedy rows keep the target's argmax
+    # NOTE: noise only for sampled rows (Philox in torch is the CPU path's main cost); boolean indexing syncs on
+    # CUDA, which is fine for a reference.
+    sampled = (~is_greedy).nonzero().squeeze(1)  # (S,)
+    noise = row_exponentials(seeds[sampled], positions[sampled] + n[sampled], STREAM_RESIDUAL, vocab)  # (S, V)
+    token[sampled] = (dist[sampled] / noise).argmax(dim=-1)
 
     out = torch.where(j[None, :] < n[:, None], drafts, -1)  # (B, K) accepted prefix
     out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # (B, K + 1)

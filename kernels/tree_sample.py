@@ -1,7 +1,7 @@
 """Fused token-tree verification: lossless stochastic (recursive rejection sampling) and greedy, one program per
 request.
 
-Layout (M = all nodes of all requests, B = requests; a request's tree as in ``specdec.spec_decode.tree``):
+Layout (M = all nodes of all requests, B = requests; a request's tree as in ``specdec.drafters.tree``):
 
     node_token_ids   int64 [M]        request b owns rows cu[b]:cu[b+1]: its root (the last committed token, never
                                       read) then its n_b drafts in DFS order, siblings in the order they were drawn
@@ -29,9 +29,8 @@ the argmax at the first node without one (Stratos appendix A).
 
 Randomness (the Philox contract, so a chain tree gives exactly ``spec_sample``'s tokens): the node at depth d sits
 at position positions[b] + d - 1; the accept uniform of the child of sibling rank k - 1 at depth d is
-philox(seed, positions[b] + d - 1, STREAM_ACCEPT, k - 1); the emitted token at depth n + 1 (n accepted) is drawn
-from the residual by inverse CDF with the uniform of (seed, positions[b] + n, STREAM_RESIDUAL)
-(``specdec.kernels.inverse_cdf``; spec_sample's ``_residual_draw``).
+philox(seed, positions[b] + d - 1, STREAM_ACCEPT, k - 1); the emitted token at depth n + 1 (n accepted) is
+``argmax(residual / E)`` with E_v = -log(philox(seed, positions[b] + n, STREAM_RESIDUAL, v)).
 
 The residual without a [V] scratch per sibling (proof). Keep p_k unnormalised: r_k with p_k = r_k / Z_k,
 Z_k = sum_v r_k(v). Scaling does not change a normalised result, so norm(max(p_k - q_k, 0)) = norm(max(r_k - Z_k q_k,
@@ -52,10 +51,9 @@ rounding) the token is drawn from the node's p, as ``spec_sample`` does.
 
 NOTE (exactness): kernel and reference use the same Philox uniforms, products, differences, quotients (round to
 nearest) and comparisons; the kernel launches with fp fusion off so ``p - A * q`` is not contracted into an FMA on a
-GPU. What may differ by an ulp: the sums Z_k, M_k (a different summation order), which flip a decision only when it
-ties to within an ulp - probability ~1e-7 per later sibling -, and the float64 running sums of the final draw (as
-in spec_sample: a token changes only for a threshold within ~1e-16 of a boundary); so the two agree token for
-token in practice. Later siblings need q_k(x_k) > 0: a drafter must not
+GPU. What may differ by an ulp: ``-log(u)`` (``torch.log`` vs ``tl.log``, as in spec_sample) and the sums Z_k, M_k
+(a different summation order). Those flip a decision only when it ties to within an ulp - probability ~1e-7 per
+later sibling - so the two agree token for token in practice. Later siblings need q_k(x_k) > 0: a drafter must not
 branch into tokens outside the draft's remaining support (such a child is accepted iff p_k(x_k) > 0, as spec_sample
 treats q(x) = 0). Z_k / M_k is capped at 1e30 (a remaining draft mass below 1e-30 of the residual) so A stays finite.
 """
@@ -68,25 +66,17 @@ from typing import NamedTuple
 import torch
 
 from specdec.kernels._triton import tl, triton
-from specdec.kernels.inverse_cdf import inverse_cdf
-from specdec.kernels.philox import (
-    STREAM_ACCEPT,
-    STREAM_RESIDUAL,
-    draw_uniform_tl,
-    draw_uniforms,
-    philox_uniform,
-    philox_uniform_tl,
-)
+from specdec.kernels.philox import STREAM_ACCEPT, STREAM_RESIDUAL, philox_uniform, philox_uniform_tl, row_exponentials
 from specdec.kernels.spec_sample import (
     _finish_row,
+    _noise_argmax_reduce,
+    _noise_argmax_update,
     _request_prologue,
-    _residual_draw,
     check_tensors,
     with_block_v,
 )
 
 _STREAM_ACCEPT: tl.constexpr = tl.constexpr(STREAM_ACCEPT)
-_STREAM_RESIDUAL: tl.constexpr = tl.constexpr(STREAM_RESIDUAL)
 MAX_SIBLING_SCALE = 1e30  # cap on Z_k / M_k (module docstring)
 _MAX_SIBLING_SCALE: tl.constexpr = tl.constexpr(MAX_SIBLING_SCALE)
 
@@ -97,7 +87,6 @@ class TreeSampleConfig:
 
     block_v: int  # vocabulary chunk of the residual passes (power of two)
     num_warps: int
-    num_warps_onehot: int  # warps when no request has draft probabilities (every child one-hot)
 
 
 def tree_sample_config(vocab_size: int) -> TreeSampleConfig:
@@ -105,16 +94,12 @@ def tree_sample_config(vocab_size: int) -> TreeSampleConfig:
 
     NOTE: spec_sample's 2048-token chunks over 8 warps (8 elements per thread) spilled here on sm_90 (the tree
     walk keeps more scalars live); 1024 over 8 warps compiles without spills on sm_80 and sm_90
-    (tests/kernels/test_gpu_compile_tree_sample.py) - except, since the last token is drawn by inverse CDF, the
-    one-hot variant (no draft probabilities) on sm_80, where ptxas (12.8) stops at 40 registers, an occupancy
-    step, and parks one scalar in local memory (4 bytes, reloaded per node). That variant launches with 4 warps
-    (8 elements per thread), which compiles without spills on both; the sampled variant spills at 4 warps on
-    sm_80, so it keeps 8.
+    (tests/kernels/test_gpu_compile_tree_sample.py).
     """
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     block_v = min(triton.next_power_of_2(vocab_size), 1024)
-    return TreeSampleConfig(block_v=block_v, num_warps=4 if block_v <= 512 else 8, num_warps_onehot=4)
+    return TreeSampleConfig(block_v=block_v, num_warps=4 if block_v <= 512 else 8)
 
 
 # ----------------------------------------------------------------------------------------------------- kernel
@@ -149,6 +134,27 @@ def _residual_sums(p_row_ptr, q_row_ptr, load_q, scale, excluded_ptr, num_exclud
         z += residual
         m += q
     return tl.sum(z, 0), tl.sum(m, 0)
+
+
+@triton.jit
+def _residual_argmax(p_row_ptr, q_row_ptr, load_q, scale, excluded_ptr, num_excluded, seed, position, vocab_size,
+                     BLOCK_V: tl.constexpr):  # fmt: skip
+    """(argmax_v r_v / E_v, max_v r_v), E_v = -log(philox(seed, position, STREAM_RESIDUAL, v)).
+
+    Same per-lane running state and tie rule (lowest index) as spec_sample's ``_argmax_over_noise``.
+    """
+    lanes = tl.arange(0, BLOCK_V)
+    best_score = tl.full([BLOCK_V], -1.0, tl.float32)  # below every real score (>= 0)
+    best_index = lanes
+    max_residual = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        offs = start + lanes
+        residual, _, in_vocab = _residual_chunk(p_row_ptr, q_row_ptr, load_q, scale, excluded_ptr, num_excluded,
+                                                offs, vocab_size)  # fmt: skip
+        best_score, best_index, max_residual = _noise_argmax_update(
+            residual, in_vocab, offs, seed, position, best_score, best_index, max_residual
+        )
+    return _noise_argmax_reduce(best_score, best_index, max_residual)
 
 
 @triton.jit(do_not_specialize=["max_depth"])
@@ -242,10 +248,19 @@ def _tree_sample_kernel(
         row = base + node
         p_row_ptr = target_probs_ptr + row * vocab_size
         q_row_ptr = draft_probs_ptr + row * vocab_size
-        # From the residual after the node's rejected children (or p itself if that is all zero).
-        u = draw_uniform_tl(seed, position + depth, _STREAM_RESIDUAL)
-        token = _residual_draw(p_row_ptr, q_row_ptr, load_q & (rank > 0), -1, 1.0, scale, excluded_row_ptr, rank, u,
-                               vocab_size)  # fmt: skip
+        # At most two passes through ONE copy of the loop (a second copy raised register pressure into spills):
+        # the residual, then p itself if the residual is all zero (p_k <= q_k up to rounding).
+        from_residual = rank >= 0  # True
+        searching = from_residual
+        sampled = zero.to(tl.int32)
+        while searching:
+            sampled, max_residual = _residual_argmax(
+                p_row_ptr, q_row_ptr, load_q & (rank > 0) & from_residual, tl.where(from_residual, scale, 0.0),
+                excluded_row_ptr, tl.where(from_residual, rank, 0), seed, position + depth, vocab_size, BLOCK_V,
+            )  # fmt: skip
+            searching = from_residual & (max_residual <= 0.0)
+            from_residual = from_residual & False
+        token = sampled.to(tl.int64)
     _finish_row(out_row_ptr, num_accepted_ptr, req, depth, token, max_depth, BLOCK_D)
     cols = tl.arange(0, BLOCK_D)
     tl.store(path_row_ptr + cols, tl.full([BLOCK_D], -1, tl.int32), mask=(cols >= depth) & (cols < max_depth))
@@ -300,8 +315,7 @@ def tree_sample(
         target_probs if draft_probs is None else draft_probs, target_probs, target_argmax, is_greedy,
         draft_is_onehot, seeds, positions, excluded, max_depth, vocab,
         HAS_DRAFT_PROBS=draft_probs is not None, BLOCK_V=config.block_v,
-        BLOCK_D=triton.next_power_of_2(max_depth + 1), enable_fp_fusion=False,
-        num_warps=config.num_warps if draft_probs is not None else config.num_warps_onehot,
+        BLOCK_D=triton.next_power_of_2(max_depth + 1), num_warps=config.num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out, num_accepted, accepted_nodes
 
@@ -434,8 +448,8 @@ def tree_sample_reference(
         q = _rows_where(draft_probs, nd, (rank[sampled] > 0) & sampled_q[sampled])
     residual = residual_rows(p, q, scale[sampled], _excluded_mask(excluded[sampled], vocab))
     dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
-    u = draw_uniforms(seeds[sampled], positions[sampled] + depth[sampled], STREAM_RESIDUAL)  # (S,) float64
-    token[sampled] = inverse_cdf(dist, u)
+    noise = row_exponentials(seeds[sampled], positions[sampled] + depth[sampled], STREAM_RESIDUAL, vocab)
+    token[sampled] = (dist / noise.to(device)).argmax(dim=-1)
     out.scatter_(1, depth[:, None], token[:, None])
     return out, depth.to(torch.int32), accepted_nodes
 
@@ -492,7 +506,7 @@ def _tree_links(
     """Check the metadata values (reads them: a host sync on CUDA, so the CUDA launcher skips it) and return
     the tree links (:class:`_Links`).
 
-    Each request must be a rooted tree in DFS order (``specdec.spec_decode.tree.check_tree``'s rules), with drafted
+    Each request must be a rooted tree in DFS order (``specdec.drafters.tree.check_tree``'s rules), with drafted
     tokens in [0, V), distinct tokens among siblings and no node deeper than ``max_depth``.
     """
     if draft_probs is None and not bool(draft_is_onehot.all()):

@@ -234,16 +234,14 @@ def format_table(reports: Sequence[dict], columns: Sequence[str]) -> str:
 def verification_launches(vocabs: Iterable[int], config_fn, launch_args, **constexprs) -> list[tuple]:
     """The launches of a speculative verification kernel (spec_sample, block_verify, tree_sample) for
     :func:`assert_compiles_without_spills`: per vocabulary, the launcher's own ``config_fn(vocab)`` (``block_v``,
-    ``num_warps``; ``num_warps_onehot`` without draft probabilities where the config has it), with and without
-    draft probabilities (one-hot drafters compile the other branch). ``launch_args(vocab, has_draft_probs)`` gives
-    the kernel arguments; ``constexprs`` the other constexprs."""
+    ``num_warps``), with and without draft probabilities (one-hot drafters compile the other branch).
+    ``launch_args(vocab, has_draft_probs)`` gives the kernel arguments; ``constexprs`` the other constexprs."""
     launches = []
     for vocab in vocabs:
         config = config_fn(vocab)
         for has_draft_probs in (True, False):
             consts = {"HAS_DRAFT_PROBS": has_draft_probs, "BLOCK_V": config.block_v, **constexprs}
-            warps = config.num_warps if has_draft_probs else getattr(config, "num_warps_onehot", config.num_warps)
-            launches.append(({"vocab": vocab}, launch_args(vocab, has_draft_probs), consts, warps))
+            launches.append(({"vocab": vocab}, launch_args(vocab, has_draft_probs), consts, config.num_warps))
     return launches
 
 

@@ -8,8 +8,7 @@ cumulative weight exceeds it.
    rounding onto the total, a single nonzero entry, zeros between and after the support), token 0 for an all-zero
    row, an in-range token for NaN / inf rows, any dtype and shape.
 3. The contract: a row's token depends on (seed, position, stream) and its weights only - not on its batch row
-   or the other rows; the canonical chunk sums and the draw's uniform are the same bits in Triton (the
-   interpreter here, compiled on CUDA) as in torch.
+   or the other rows.
 4. Statistics: 200,000 draws through ``sample_from_probs`` (one seed, positions 0..N-1) from three
    distributions over V = 600 (three chunks, the last one partial) against the exact probabilities, Pearson's
    chi-square with the pooling and Bonferroni bound of test_spec_sample_statistics.py (significance 1e-6); two
@@ -23,14 +22,12 @@ import math
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from stats_helpers import chi2_isf
 from test_spec_sample_statistics import chi_square
 
 from specdec.kernels import inverse_cdf as icdf
-from specdec.kernels.inverse_cdf import CDF_CHUNK, _chunk_ids, _chunk_sum, chunk_sums, inverse_cdf, sample_inverse_cdf
-from specdec.kernels.philox import STREAM_DRAFT, STREAM_SAMPLE, draw_uniform_tl, draw_uniforms
+from specdec.kernels.inverse_cdf import CDF_CHUNK, chunk_sums, inverse_cdf, sample_inverse_cdf
+from specdec.kernels.philox import STREAM_DRAFT, STREAM_SAMPLE, draw_uniforms
 from specdec.sampling.sampler import sample_from_probs
 
 U_MIN, U_MAX = 2.0**-47, 1.0 - 2.0**-47  # the extreme values of a draw's uniform
@@ -193,34 +190,6 @@ def test_chunk_sums_follow_the_canonical_order():
     assert chunk_sums(weights).tolist() == expected
     with_rows_in_blocks = chunk_sums(peaked(70, 5000, seed=6))
     assert torch.equal(with_rows_in_blocks[13:14], chunk_sums(peaked(70, 5000, seed=6)[13:14].clone()))
-
-
-@triton.jit
-def _chunk_sums_kernel(w_ptr, out_ptr, vocab, num_chunks):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    ids = chunk * 256 + _chunk_ids()
-    x = tl.load(w_ptr + row * vocab + ids, mask=ids < vocab, other=0.0)
-    tl.store(out_ptr + row * num_chunks + chunk, _chunk_sum(x))
-
-
-@triton.jit
-def _draw_kernel(seeds_ptr, positions_ptr, out_ptr, stream: tl.constexpr):
-    row = tl.program_id(0)
-    tl.store(out_ptr + row, draw_uniform_tl(tl.load(seeds_ptr + row), tl.load(positions_ptr + row), stream))
-
-
-def test_triton_twins_are_bit_identical():
-    """The kernels' canonical chunk sum and draw uniform: the same bits as the torch code."""
-    weights = peaked(4, 3 * CDF_CHUNK - 5, seed=8) * torch.logspace(-30, 0, 3 * CDF_CHUNK - 5)
-    out = torch.empty(4, 3)
-    _chunk_sums_kernel[(4, 3)](weights, out, weights.shape[1], 3)
-    assert torch.equal(out, chunk_sums(weights))
-    seeds = torch.tensor([0, -1, 2**63 - 1, 99])
-    positions = torch.tensor([0, 5, 2**35, 1 << 20])
-    drawn = torch.empty(4, dtype=torch.float64)
-    _draw_kernel[(4,)](seeds, positions, drawn, stream=3)
-    assert torch.equal(drawn, draw_uniforms(seeds, positions, 3))
 
 
 # --- statistics ------------------------------------------------------------------------------------------------
