@@ -29,6 +29,20 @@ def find_sanitizer() -> str | None:
     return None
 
 
+def source_digest() -> str:
+    """sha256 (first 12 hex digits) of every .py file under specdec/ and kernels/, by relative path: identifies the
+    code that ran even where the checkout's git metadata is stale (a copied working tree: the device tool's
+    reports a commit that is not the one it carries). Here: ``python -c "from bench.gpu_steps.env import
+    source_digest; print(source_digest())"``."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for base in ("specdec", "kernels"):
+        for path in sorted((REPO / base).rglob("*.py")):
+            h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
 def git_commit() -> str:
     commit = run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"])
     if commit is None:
@@ -48,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_runtime": torch.version.cuda,
         "cuda": torch.cuda.is_available(),
         "git_commit": git_commit(),
+        "source_digest": source_digest(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),

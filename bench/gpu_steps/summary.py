@@ -54,7 +54,8 @@ def section_env(env: dict, run: dict) -> list[str]:
               f"nvidia-smi: {env.get('nvidia_smi') or 'not found'}",
               f"- torch {env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda_runtime')}, "
               f"Python {env.get('python')}",
-              f"- git commit {env.get('git_commit')}; specdec imported from {run.get('layout', '?')}",
+              f"- git commit {env.get('git_commit')} (source digest {env.get('source_digest', '-')}); specdec imported "
+              f"from {run.get('layout', '?')}",
               f"- CUDA probed by the orchestrator: {fmt(probe.get('available'))} ({probe.get('detail', '?')}, "
               f"{probe.get('seconds', '?')} s); steps ran with TRITON_INTERPRET={env.get('TRITON_INTERPRET')}",
               f"- command: `{run.get('command', '?')}` (budget {run.get('budget_s', '?')} s)", ""]  # fmt: skip
