@@ -363,25 +363,26 @@ def spec_sample_reference(
     ok = torch.where(is_greedy[:, None], target_argmax[target_row] == drafts, u * q_x < p_x) & has_draft
     n = ok.long().cumprod(dim=-1).sum(dim=-1)  # (B,) length of the accepted prefix
 
-    # The recovered token at the first rejection, or the bonus token, at position n.
+    # The recovered token at the first rejection, or the bonus token, at position n - for the sampled rows only
+    # (greedy rows keep the target's argmax), each [S, V] step a fresh tensor at most once.
+    # NOTE: boolean indexing syncs on CUDA, which is fine for a reference.
     rejected = n < num_drafts  # (B,)
     final_row = cu[:-1] + rows + n  # (B,)
-    p = target_probs[final_row]  # (B, V)
-    q = torch.zeros_like(p)  # (B, V): no draft to subtract at the bonus position
     rejected_draft = drafts.gather(1, n.clamp(max=max(max_k - 1, 0))[:, None]).squeeze(1) if max_k else rows * 0
-    if model_q is not None:
-        q_rows = model_q[(cu[:-1] + n).clamp(max=num_total - 1)]  # (B, V)
-        q = torch.where((rejected & ~onehot)[:, None], q_rows, q)
-    onehot_q = torch.nn.functional.one_hot(rejected_draft, vocab).float()  # (B, V)
-    q = torch.where((rejected & onehot)[:, None], onehot_q, q)
-    residual = residual_distribution(p, q)  # (B, V)
-    dist = torch.where((residual > 0).any(dim=-1, keepdim=True), residual, p)  # all-zero residual: sample from p
-    token = target_argmax[final_row]  # (B,) greedy rows keep the target's argmax
-    # NOTE: noise only for sampled rows (Philox in torch is the CPU path's main cost); boolean indexing syncs on
-    # CUDA, which is fine for a reference.
+    token = target_argmax[final_row]  # (B,)
     sampled = (~is_greedy).nonzero().squeeze(1)  # (S,)
+    p = target_probs[final_row[sampled]]  # (S, V)
+    q = torch.zeros_like(p)  # (S, V): no draft to subtract at the bonus position
+    if model_q is not None:
+        with_q = (rejected & ~onehot)[sampled].nonzero().squeeze(1)  # rows whose q is the draft model's
+        q[with_q] = model_q[(cu[:-1] + n)[sampled][with_q].clamp(max=num_total - 1)]
+    with_onehot = (rejected & onehot)[sampled].nonzero().squeeze(1)  # q = onehot(the rejected draft)
+    q[with_onehot, rejected_draft[sampled][with_onehot]] = 1.0
+    residual = residual_distribution(p, q)  # (S, V)
+    all_zero = ~(residual > 0).any(dim=-1)  # (S,) p <= q up to rounding: sample from p
+    residual[all_zero] = p[all_zero]
     noise = row_exponentials(seeds[sampled], positions[sampled] + n[sampled], STREAM_RESIDUAL, vocab)  # (S, V)
-    token[sampled] = (dist[sampled] / noise).argmax(dim=-1)
+    token[sampled] = (residual / noise).argmax(dim=-1)
 
     out = torch.where(j[None, :] < n[:, None], drafts, -1)  # (B, K) accepted prefix
     out = torch.cat([out, out.new_full((batch, 1), -1)], dim=1)  # (B, K + 1)
