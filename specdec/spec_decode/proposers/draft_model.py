@@ -147,7 +147,9 @@ class DraftModelProposer:
             width = next(q for q in step_probs if q is not None).shape[1]
             rows = [q if q is not None else t.new_zeros(t.shape[0], width, dtype=torch.float32)
                     for q, t in zip(step_probs, step_tokens)]
-            probs = F.pad(torch.cat(rows)[index], (0, self.target_vocab_size - width))
+            probs = torch.cat(rows)[index]  # [sum(k_b), V_draft]
+            if width < self.target_vocab_size:
+                probs = F.pad(probs, (0, self.target_vocab_size - width))
         # request i took part in one draft forward per draft token (the first includes its catch-up)
         return DraftProposal(host_drafts, probs, is_onehot, counts, device_ids=device_ids, bad_rows=bad,
                              num_drafts=counts)
