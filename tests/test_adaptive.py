@@ -87,8 +87,9 @@ def test_warm_up_samples_stand_in_only_while_a_batch_size_has_nothing_else():
     cm.observe_target(1, 1, 0.010)
     cm.observe_target(1, 3, 0.014)
     assert cm.verify_cost(2, 1) == pytest.approx(1.4)  # warm-up samples, nothing better yet
-    cm.observe_target(1, 1, 0.010)  # a real sample: the warm-up ones no longer count
-    assert cm.verify_cost(2, 1) == pytest.approx(1.2)  # one point: no line, the prior again
+    cm.observe_target(1, 1, 0.010)  # a real sample: the warm-up ones no longer make the line
+    assert cm.verify_cost(2, 1) == pytest.approx(1.4)  # one point, no line: the key's own (warm-up) sample
+    assert cm.verify_cost(3, 1) == pytest.approx(1.3)  # nothing at 4 tokens: the prior
     cm.observe_draft(1, 0.004)
     assert cm.draft_cost(1) == pytest.approx(0.4)
     cm.observe_draft(1, 0.002)
@@ -123,10 +124,84 @@ def test_short_requests_still_explore():
 
 
 def test_speculation_off_with_periodic_probes():
-    # a pricey draft: off, a k = 1 probe every probe_every plain steps, every 4th probe k = 2 (times a draft step)
+    # a pricey draft: off; a probe every probe_every plain steps, alternating the best-valued k >= 1 (here 1) and the
+    # k >= 1 gone longest without (ties: the larger), so every k is measured again
     choices = _run(FixedCostModel(c=5.0), 64, probe_every=4)
     assert [i for i, k in enumerate(choices) if k] == list(range(3, 64, 4))
-    assert [k for k in choices if k] == [1, 1, 1, 2] * 4
-    # a free drafter whose verification does not pay: k = 1 probes only
+    assert [k for k in choices if k] == [1, 4, 1, 3, 1, 2] * 2 + [1, 4, 1, 3]
+    # a free drafter whose verification does not pay: off, the same probes
     choices = _run(FixedCostModel(c=0.0, verify_slope=2.0), 64, probe_every=4)
-    assert [k for k in choices if k] == [1] * 16 and choices.count(0) == 48
+    assert choices.count(0) == 48 and set(choices) == {0, 1, 2, 3, 4}
+
+
+# --- from any start: k = 0 on a high-acceptance stream whose short windows are slow ---------------------------
+# A target forward of n tokens (one request) costs T[n] target-decode units: on CPU a 2- or 3-row float32 GEMM
+# without a packed weight can cost several decodes while a 5-row one with it costs ~1 (measured on an AMD EPYC:
+# docs/benchmarks.md, "Adaptive k"); one draft step costs 0.3.
+SLOW_SHORT = {1: 1.0, 2: 3.0, 3: 3.5, 4: 1.05, 5: 1.1}
+
+
+def simulate_stream(adaptive_module, accept, decisions=600, k_cap=4, target=SLOW_SHORT, draft=0.3):
+    """One request; ``accept(j)`` says whether draft j (1-based) of a round is accepted (a deterministic stream).
+    The cost model is fed what was chosen, as the engine does: the target forward of k + 1 tokens, k - 1 timed draft
+    steps. It starts having seen only slow k = 1 rounds (what an engine on such a CPU measures first)."""
+    costs = adaptive_module.MeasuredCostModel()
+    ada = adaptive_module.AdaptiveK(k_max=k_cap, cost_model=costs)
+    for _ in range(4):  # the start: k = 1 windows measured slow, decodes fast, a k = 1 round accepted
+        costs.observe_target(1, 2, target[2])
+        costs.observe_target(1, 1, target[1])
+    choices = []
+    for _ in range(decisions):
+        k = ada.choose(0, 1, k_cap)
+        costs.observe_target(1, k + 1, target[k + 1])
+        for _ in range(k - 1):
+            costs.observe_draft(1, draft)
+        if k:
+            accepted = 0
+            while accepted < k and accept(accepted + 1):
+                accepted += 1
+            ada.observe(0, drafted=k, accepted=accepted)
+        choices.append(k)
+    return choices
+
+
+def best_fixed_k(accept_prob, k_cap=4, target=SLOW_SHORT, draft=0.3):
+    """The k with the most tokens per unit of time for per-position acceptance ``accept_prob[j - 1]``."""
+    def value(k):
+        tokens, survive = 1.0, 1.0
+        for j in range(k):
+            survive *= accept_prob[j]
+            tokens += survive
+        return tokens / (k * draft + target[k + 1] / target[1])
+    return max(range(k_cap + 1), key=value)
+
+
+def test_from_k0_it_climbs_to_the_long_k_that_pays():
+    """Every draft accepted, k = 1 and 2 windows slow, k = 4 cheap: the best k is 4. The old probes (k = 1 only,
+    sometimes 2) never measured k = 4 and stayed at k = 0 (run against the previous adaptive.py: k = 0 in 281 of
+    the last 300 decisions, the other 19 its k = 1 / 2 probes)."""
+    import specdec.spec_decode.adaptive as adaptive
+
+    assert best_fixed_k([1.0] * 4) == 4
+    last = Counter(simulate_stream(adaptive, lambda j: True)[-300:])
+    assert last[4] >= 0.9 * 300, last
+
+
+def test_per_position_acceptance_prices_a_structured_prefix():
+    """Drafts 1-2 always accepted, 3-4 never (a structured prefix, a free tail): the best k is 2 and the per-position
+    estimates find it (the previous adaptive.py, one pooled alpha: k = 2 in 137 of the last 300 decisions, k = 3 in
+    144)."""
+    import specdec.spec_decode.adaptive as adaptive
+
+    flat = {n: 1.0 + 0.02 * n for n in range(1, 6)}
+    best = best_fixed_k([1.0, 1.0, 0.0, 0.0], target=flat)
+    assert best == 2
+    last = Counter(simulate_stream(adaptive, lambda j: j <= 2, target=flat)[-300:])
+    assert last[2] >= 0.85 * 300, last
+    ada = adaptive.AdaptiveK(k_max=4, cost_model=FixedCostModel())
+    for _ in range(30):
+        ada.observe(0, drafted=4, accepted=2)
+    r = ada.position_acceptance(0)
+    assert r[0] > 0.9 and r[1] > 0.9 and r[2] < 0.15  # position 3 reached and rejected every time
+    assert ada.expected_tokens(0, 4) == pytest.approx(1 + r[0] + r[0] * r[1] + r[0] * r[1] * r[2] +
+                                                      r[0] * r[1] * r[2] * r[3])
