@@ -3,23 +3,27 @@
     python -m bench.adaptive_k --target qwen-1.5b --draft qwen-0.5b --k 4 [--method draft_model]
                                [--prompts code,json,copy,prose] [--prompts-per-class 1] [--max-tokens 64] [--reps 2]
 
-One engine per configuration - plain (``speculative=None``), fixed k = 1..K, adaptive (``adaptive=True``, k_max =
-K) - all sharing the target's weights (and the draft's), run on the same prompts (each class's files, chat
-template, batch 1, greedy, ``ignore_eos``) interleaved: every repetition runs each configuration once per class,
-in an order that rotates by repetition. Reported per class: tokens/s of each (generated tokens / wall time of its
-``generate`` calls, prefill included; median over repetitions), the best of plain and the fixed ks, and adaptive
-over that best (the issue's target: >= 0.97 on every class); adaptive's ``k_per_step`` histogram; and a check
-that every speculative configuration's tokens equal plain greedy decoding's (lossless; fp32). A fresh adaptive
-engine per repetition: a warm cost model from an earlier repetition would hide a slow start.
+Configurations: plain (``speculative=None``), fixed k = 1..K, adaptive (``adaptive=True``, k_max = K). Each run
+of a configuration is its own process (a fresh engine - so adaptive starts cold, as a new server would - and one
+copy of the weights in memory: a 1.5B fp32 target with its packed copy and a 0.5B draft take ~17 GB), which loads
+the models, warms up with one short generation, then generates every class's prompts (chat template, batch 1,
+greedy, ``ignore_eos``) and reports its wall time per class. Repetitions interleave the configurations in an order
+that rotates by repetition. Reported per class: tokens/s of each (generated tokens / wall time of its ``generate``
+calls, prefill included; median over repetitions), the best of plain and the fixed ks, and adaptive over that best
+(the issue's target: >= 0.97 on every class); adaptive's ``k_per_step`` histogram; and a check that every
+speculative configuration's tokens equal plain greedy decoding's (lossless; fp32).
 Results: ``bench/out/adaptive_k_<target>_<draft>_k<K>_t<threads>.json`` (``--record``: ``bench/results/``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
+import subprocess
 import sys
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -39,76 +43,60 @@ from bench.common import (
     write_json,
 )
 
-
-@contextlib.contextmanager
-def shared_weights(target: specdec.LLM, draft_model):
-    """While open, a new LLM gets ``target``'s model and, as its draft, ``draft_model`` (a loaded model or None)
-    instead of loading the same weights again: forwards are stateless (the KV lives in each engine's pools) and the
-    engines never run at once, so sharing is exact and keeps one copy of each model in memory."""
-    import specdec.engine.engine as engine_module
-    import specdec.spec_decode.proposers.factory as factory_module
-
-    originals = engine_module.load_model, factory_module.load_model
-    engine_module.load_model = lambda *args, **kwargs: target.engine.model
-    if draft_model is not None:
-        factory_module.load_model = lambda *args, **kwargs: draft_model
-    try:
-        yield
-    finally:
-        engine_module.load_model, factory_module.load_model = originals
+CONFIGS_HELP = "plain, k=1..k=K, adaptive"
 
 
-def build(args) -> dict[str, specdec.LLM]:
-    """The engines by configuration name: "plain", "k=1".."k=K", "adaptive"."""
-    common = dict(dtype=args.dtype, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks)
+def config_names(k_max: int) -> list[str]:
+    return ["plain", *(f"k={k}" for k in range(1, k_max + 1)), "adaptive"]
+
+
+def run_one(args) -> dict:
+    """In this process: build the configuration ``args.one``, warm it up, generate every class; per class the wall
+    time, the tokens and the k granted per step."""
     target_path = resolve_model(args.target)
     draft_path = resolve_model(args.draft) if args.draft else None
-    plain = specdec.LLM(target_path, **common)
-    engines = {"plain": plain}
-
-    def spec(k: int, adaptive: bool) -> specdec.SpeculativeConfig:
-        return specdec.SpeculativeConfig(method=args.method, draft_model=draft_path, num_speculative_tokens=k,
-                                         adaptive=adaptive, prompt_lookup_min=args.prompt_lookup_min)
-
-    draft_model = None
-    with shared_weights(plain, None):
-        first = specdec.LLM(target_path, speculative=spec(1, False), **common)
-    engines["k=1"] = first
-    if first.engine.speculative.draft_model is not None:
-        draft_model = first.engine.speculative.draft_model.runner.model
-    with shared_weights(plain, draft_model):
-        for k in range(2, args.k + 1):
-            engines[f"k={k}"] = specdec.LLM(target_path, speculative=spec(k, False), **common)
-    engines["adaptive"] = None  # built fresh per repetition (see the module docstring)
-    engines["_factory"] = lambda: _fresh_adaptive(plain, draft_model, target_path, spec(args.k, True), common)
-    return engines
-
-
-def _fresh_adaptive(plain, draft_model, target_path, config, common) -> specdec.LLM:
-    with shared_weights(plain, draft_model):
-        return specdec.LLM(target_path, speculative=config, **common)
-
-
-def run_class(llm: specdec.LLM, prompts: list[list[int]], params: specdec.SamplingParams) -> dict:
-    seconds, outs = timed(lambda: llm.generate(prompt_token_ids=prompts, sampling_params=params))
-    return {"seconds": seconds, "tokens": [o.outputs[0].token_ids for o in outs],
-            "k_per_step": [k for o in outs for k in o.metrics["k_per_step"]],
-            "errors": [o.error for o in outs if o.error]}
-
-
-def measure(args, engines: dict, ids: dict[str, list[list[int]]]) -> dict:
+    spec = None
+    if args.one != "plain":
+        adaptive = args.one == "adaptive"
+        spec = specdec.SpeculativeConfig(method=args.method, draft_model=draft_path, adaptive=adaptive,
+                                         num_speculative_tokens=args.k if adaptive else int(args.one[2:]),
+                                         prompt_lookup_min=args.prompt_lookup_min)
+    llm = specdec.LLM(target_path, dtype=args.dtype, max_model_len=args.max_model_len,
+                      num_kv_blocks=args.num_kv_blocks, speculative=spec)
+    ids = class_ids(args, llm.engine.tokenizer)
     params = specdec.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    names = [n for n in engines if not n.startswith("_")]
-    runs = {cls: {n: [] for n in names} for cls in ids}
-    for rep in range(args.reps):
-        engines["adaptive"] = engines["_factory"]()
-        order = names[rep % len(names):] + names[: rep % len(names)]
-        for cls, prompts in ids.items():
+    warm = next(iter(ids.values()))[:1]
+    llm.generate(prompt_token_ids=warm, sampling_params=specdec.SamplingParams(temperature=0, max_tokens=8))
+    if args.one == "adaptive":  # warm, but adaptive k starts cold: no costs or acceptance from the warm-up
+        llm.engine.speculative.reset_adaptive()
+    out = {}
+    for cls, prompts in ids.items():
+        seconds, outs = timed(lambda prompts=prompts: llm.generate(prompt_token_ids=prompts, sampling_params=params))
+        out[cls] = {"seconds": seconds, "tokens": [o.outputs[0].token_ids for o in outs],
+                    "k_per_step": [k for o in outs for k in o.metrics["k_per_step"]],
+                    "errors": [o.error for o in outs if o.error]}
+    return out
+
+
+def class_ids(args, tokenizer) -> dict[str, list[list[int]]]:
+    return {cls: [chat_token_ids(tokenizer, p.text) for p in ps]
+            for cls, ps in load_prompts(args.prompts.split(","), args.prompts_per_class).items()}
+
+
+def measure(args, argv: list[str]) -> dict:
+    """Every configuration once per repetition, each in its own process, in a rotating order."""
+    names = config_names(args.k)
+    runs = {n: [] for n in names}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.reps):
+            order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
-                runs[cls][name].append(run_class(engines[name], prompts, params))
-        engines["adaptive"] = None
-        print(f"repetition {rep + 1}/{args.reps} done", flush=True)
-    return runs
+                out = Path(tmp) / "one.json"
+                cmd = [sys.executable, "-m", "bench.adaptive_k", *argv, "--one", name, "--one-out", str(out)]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                runs[name].append(json.loads(out.read_text()))
+                print(f"repetition {rep + 1}/{args.reps}: {name} done", flush=True)
+    return {cls: {n: [r[cls] for r in rs] for n, rs in runs.items()} for cls in runs["plain"][0]}
 
 
 def summarize(runs: dict) -> dict:
@@ -144,14 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=512)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--one", default=None, help=f"internal: run one configuration ({CONFIGS_HELP}) here")
+    parser.add_argument("--one-out", default=None, help="internal: where --one writes its JSON")
     add_record_flag(parser)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     set_threads(args.threads)
-    engines = build(args)
-    tokenizer = engines["plain"].engine.tokenizer
-    ids = {cls: [chat_token_ids(tokenizer, p.text) for p in ps]
-           for cls, ps in load_prompts(args.prompts.split(","), args.prompts_per_class).items()}
-    summary = summarize(measure(args, engines, ids))
+    if args.one is not None:
+        Path(args.one_out).write_text(json.dumps(run_one(args)))
+        return 0
+    summary = summarize(measure(args, argv))
     names = list(next(iter(summary.values()))["tok_s"])
     rows = [[cls, *(s["tok_s"][n] for n in names), s["best_fixed_or_plain"], s["adaptive_over_best"],
              s["adaptive_k_per_step"], s["lossless"]] for cls, s in summary.items()]

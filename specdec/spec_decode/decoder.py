@@ -63,6 +63,16 @@ class SpeculativeDecoder:
         self.stats = {"rollback_freed_blocks": 0}  # engine-wide counters (tests assert page-boundary rollbacks)
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
 
+    def reset_adaptive(self) -> None:
+        """Forget what adaptive k measured and estimated (a fresh cost model and acceptance): a cold start, as a new
+        engine has, for an engine that was warmed up (benchmarks). No-op without adaptive k or with injected costs."""
+        if self.adaptive is None or self.spec_config.cost_model is not None:
+            return
+        self.cost_model = MeasuredCostModel(is_model_free=not self.spec_config.uses_draft_model)
+        self.adaptive = AdaptiveK(self.k_max, self.cost_model)
+        if self.draft_model is not None:
+            self.draft_model.on_forward = self.cost_model.observe_draft
+
     @property
     def block_managers(self) -> list[BlockManager]:
         """The proposer's KV pools (the scheduler allocates them in lockstep with the target's)."""
