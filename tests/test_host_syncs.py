@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec
 from specdec import SamplingParams
-from specdec.spec_decode.adaptive import FixedCostModel
+from specdec.spec_decode.cost_model import FixedCostModel
 
 K = 4
 ENGINE_BUDGET = {"plain": 1, "speculative": 1}  # host reads made by specdec/ per step (per round)
