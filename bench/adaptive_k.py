@@ -67,8 +67,9 @@ def run_one(args) -> dict:
     params = specdec.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     warm = next(iter(ids.values()))[:1]
     llm.generate(prompt_token_ids=warm, sampling_params=specdec.SamplingParams(temperature=0, max_tokens=8))
-    if args.one == "adaptive":  # warm, but adaptive k starts cold: no costs or acceptance from the warm-up
-        llm.engine.speculative.reset_adaptive()
+    reset = getattr(llm.engine.speculative, "reset_adaptive", None)  # (older trees have none: they stay warm)
+    if args.one == "adaptive" and reset is not None:  # warm, but adaptive k starts cold: nothing from the warm-up
+        reset()
     out = {}
     for cls, prompts in ids.items():
         seconds, outs = timed(lambda prompts=prompts: llm.generate(prompt_token_ids=prompts, sampling_params=params))
@@ -85,31 +86,32 @@ def class_ids(args, tokenizer) -> dict[str, list[list[int]]]:
 
 def measure(args, argv: list[str]) -> dict:
     """Every configuration once per repetition, each in its own process, in a rotating order."""
-    names = config_names(args.k)
+    names = args.configs.split(",") if args.configs else config_names(args.k)
     runs = {n: [] for n in names}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
                 out = Path(tmp) / "one.json"
-                cmd = [sys.executable, "-m", "bench.adaptive_k", *argv, "--one", name, "--one-out", str(out)]
+                cmd = [args.python, "-m", "bench.adaptive_k", *argv, "--one", name, "--one-out", str(out)]
                 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
                 runs[name].append(json.loads(out.read_text()))
                 print(f"repetition {rep + 1}/{args.reps}: {name} done", flush=True)
-    return {cls: {n: [r[cls] for r in rs] for n, rs in runs.items()} for cls in runs["plain"][0]}
+    return {cls: {n: [r[cls] for r in rs] for n, rs in runs.items()} for cls in runs[names[0]][0]}
 
 
 def summarize(runs: dict) -> dict:
     out = {}
     for cls, by_name in runs.items():
         rates = {n: sum(len(t) for t in r[0]["tokens"]) / median([x["seconds"] for x in r]) for n, r in by_name.items()}
-        reference = by_name["plain"][0]["tokens"]
-        best_name = max((n for n in rates if n != "adaptive"), key=rates.get)
+        reference = next(iter(by_name.values()))[0]["tokens"]
+        others = [n for n in rates if n != "adaptive"]
+        best_name = max(others, key=rates.get) if others else None
         out[cls] = {
             "tok_s": rates,
             "best_fixed_or_plain": best_name,
-            "adaptive_over_best": rates["adaptive"] / rates[best_name],
-            "adaptive_k_per_step": dict(sorted(Counter(k for r in by_name["adaptive"]
+            "adaptive_over_best": rates["adaptive"] / rates[best_name] if best_name and "adaptive" in rates else None,
+            "adaptive_k_per_step": dict(sorted(Counter(k for r in by_name.get("adaptive", [])
                                                        for k in r["k_per_step"]).items())),
             "lossless": all(r["tokens"] == reference for n, rs in by_name.items() for r in rs),
             "errors": [e for rs in by_name.values() for r in rs for e in r["errors"]],
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=512)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--configs", default=None, help=f"comma-separated subset of: {CONFIGS_HELP} (default: all)")
+    parser.add_argument("--python", default=sys.executable,
+                        help="the interpreter that runs each configuration (another tree's venv: old vs new)")
     parser.add_argument("--one", default=None, help=f"internal: run one configuration ({CONFIGS_HELP}) here")
     parser.add_argument("--one-out", default=None, help="internal: where --one writes its JSON")
     add_record_flag(parser)
