@@ -163,7 +163,8 @@ def test_the_documented_exceptions_read_a_fixed_number_whatever_the_batch(tiny_p
     tree round: per depth q's top probabilities and the drawn children, then the verification read (2k + 1).
     Logprobs: one more read for the emitted tokens' logprobs (1 + 1)."""
     target, _ = tiny_pair
-    spec = _self_drafting(draft_model=target, **({"tree": "dynamic"} if feature == "tree" else {}))
+    tree = {"tree": "dynamic", "tree_policy": "always"} if feature == "tree" else {}
+    spec = _self_drafting(draft_model=target, **tree)
     params = SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True, seed=3,
                             **{"penalties": {"repetition_penalty": 1.2}, "tree": {},
                                "logprobs": {"logprobs": 2}}[feature])
