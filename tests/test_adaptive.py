@@ -253,3 +253,25 @@ def test_trees_are_measured_not_assumed():
     for _ in range(20):
         ada.observe(0, drafted=3, accepted=3, tree=True)
     assert ada.expected_tree_tokens(0, 3) > 3.5
+
+
+def test_cpu_forwards_are_timed_by_thread_cpu_time_with_one_thread():
+    """With one intra-op thread a forward is timed by its thread's CPU time, so time the thread spends off the CPU
+    (here a sleep; on a shared machine, preemption) is not charged to it; with several threads, by wall time."""
+    import time
+
+    import torch
+
+    from specdec.runner.forward_timer import ForwardTimer
+
+    threads = torch.get_num_threads()
+    timer, recorded = ForwardTimer(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            start = timer.start(torch.device("cpu"))
+            time.sleep(0.05)
+            timer.stop(start, recorded.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert recorded[0] < 0.025 <= 0.05 <= recorded[1], recorded
