@@ -87,17 +87,26 @@ def class_ids(args, tokenizer) -> dict[str, list[list[int]]]:
             for cls, ps in load_prompts(args.prompts.split(","), args.prompts_per_class).items()}
 
 
+def tree_of(python: str) -> str:
+    """The source tree ``python`` imports specdec from (its editable install): the children run there, so that
+    ``-m bench.adaptive_k`` and ``specdec`` both come from that tree (the working directory is first on sys.path)."""
+    code = "import os, specdec; print(os.path.dirname(os.path.dirname(os.path.abspath(specdec.__file__))))"
+    return subprocess.run([python, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=tempfile.gettempdir()).stdout.strip()
+
+
 def measure(args, argv: list[str]) -> dict:
     """Every configuration once per repetition, each in its own process, in a rotating order."""
     names = args.configs.split(",") if args.configs else config_names(args.k)
     runs = {n: [] for n in names}
+    tree = tree_of(args.python)
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
                 out = Path(tmp) / "one.json"
                 cmd = [args.python, "-m", "bench.adaptive_k", *argv, "--one", name, "--one-out", str(out)]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=tree)
                 runs[name].append(json.loads(out.read_text()))
                 print(f"repetition {rep + 1}/{args.reps}: {name} done", flush=True)
     return {cls: {n: [r[cls] for r in rs] for n, rs in runs.items()} for cls in runs[names[0]][0]}

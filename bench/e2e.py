@@ -55,6 +55,7 @@ from bench.common import (
     model_sizes,
     print_table,
     resolve_model,
+    set_clock,
     set_threads,
     slug,
     timed,
@@ -332,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-class", type=int, default=None, help="the first N files of each class")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="time runs by wall clock, or by process CPU time (a shared, loaded machine)")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
@@ -343,9 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     set_threads(args.threads)
+    set_clock(args.clock)
     if args.temperature > 0:
         warm_up_sampling()
-    meta = machine_info()
+    meta = {**machine_info(), "clock": args.clock}
     target_path = resolve_model(args.target)
     draft_path = resolve_model(args.draft) if args.draft else None
     spec_config = specdec.SpeculativeConfig(method=args.method, draft_model=draft_path,

@@ -15,6 +15,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 
 from bench.common import add_record_flag, machine_info, print_table, resolve_model, write_json
 
@@ -54,8 +55,10 @@ print(json.dumps({"rss_before_mib": before, "rss_after_mib": after, "peak_mib": 
 
 
 def measure(python: str, path: str, dtype: str, threads: int, tokens: int) -> dict:
+    # cwd outside any tree: with -c the working directory comes first on sys.path and would shadow the
+    # interpreter's own (editable) specdec - an "old" interpreter run from here would import this tree's code
     out = subprocess.run([python, "-c", CHILD, path, dtype, str(threads), str(tokens)], capture_output=True,
-                         text=True, check=False)
+                         text=True, check=False, cwd=tempfile.gettempdir())
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or [f"exit {out.returncode}"]}
     return json.loads(out.stdout.strip().splitlines()[-1])
