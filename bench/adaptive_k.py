@@ -44,7 +44,7 @@ from bench.common import (
     write_json,
 )
 
-CONFIGS_HELP = "plain, k=1..k=K, adaptive"
+CONFIGS_HELP = "plain, k=1..k=K, adaptive (and adaptive@old with --old-python)"
 
 
 def config_names(k_max: int) -> list[str]:
@@ -95,18 +95,36 @@ def tree_of(python: str) -> str:
                           cwd=tempfile.gettempdir()).stdout.strip()
 
 
+def child_argv(argv: list[str]) -> list[str]:
+    """The parent's arguments minus --old-python (an older tree's bench.adaptive_k does not know it)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--old-python":
+            skip = True
+        elif not a.startswith("--old-python="):
+            out.append(a)
+    return out
+
+
 def measure(args, argv: list[str]) -> dict:
     """Every configuration once per repetition, each in its own process, in a rotating order."""
     names = args.configs.split(",") if args.configs else config_names(args.k)
+    if args.old_python and "adaptive@old" not in names:
+        names.append("adaptive@old")
     runs = {n: [] for n in names}
-    tree = tree_of(args.python)
+    trees = {args.python: tree_of(args.python), **({args.old_python: tree_of(args.old_python)}
+                                                   if args.old_python else {})}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.reps):
             order = names[rep % len(names):] + names[: rep % len(names)]
             for name in order:
                 out = Path(tmp) / "one.json"
-                cmd = [args.python, "-m", "bench.adaptive_k", *argv, "--one", name, "--one-out", str(out)]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=tree)
+                python = args.old_python if name.endswith("@old") else args.python
+                cmd = [python, "-m", "bench.adaptive_k", *child_argv(argv), "--one", name.removesuffix("@old"),
+                       "--one-out", str(out)]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=trees[python])
                 runs[name].append(json.loads(out.read_text()))
                 print(f"repetition {rep + 1}/{args.reps}: {name} done", flush=True)
     return {cls: {n: [r[cls] for r in rs] for n, rs in runs.items()} for cls in runs[names[0]][0]}
@@ -124,7 +142,7 @@ def summarize(runs: dict) -> dict:
         for clock, key in (("wall", "seconds"), ("cpu", "cpu_seconds")):
             rates = {n: sum(len(t) for t in r[0]["tokens"]) / median([x.get(key, x["seconds"]) for x in r])
                      for n, r in by_name.items()}
-            others = [n for n in rates if n != "adaptive"]
+            others = [n for n in rates if not n.startswith("adaptive")]
             best_name = max(others, key=rates.get) if others else None
             suffix = "" if clock == "wall" else "_cpu"
             summary.update({f"tok_s{suffix}": rates, f"best_fixed_or_plain{suffix}": best_name,
@@ -158,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=None, help=f"comma-separated subset of: {CONFIGS_HELP} (default: all)")
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter that runs each configuration (another tree's venv: old vs new)")
+    parser.add_argument("--old-python", default=None,
+                        help="also run adaptive with this interpreter (the previous commit's tree), as 'adaptive@old'")
     parser.add_argument("--one", default=None, help=f"internal: run one configuration ({CONFIGS_HELP}) here")
     parser.add_argument("--one-out", default=None, help="internal: where --one writes its JSON")
     add_record_flag(parser)
