@@ -59,6 +59,15 @@ def _(k_cache, v_cache, slot_mapping, k, v) -> None:
     return None
 
 
+def _capture_layer(x: torch.Tensor, layer: int, aux_layers: tuple[int, ...], aux: torch.Tensor) -> None:
+    """Copy ``x [T, hidden]`` (the residual stream entering ``layer``) into every column block of ``aux [T,
+    len(aux_layers) * hidden]`` whose id in ``aux_layers`` is ``layer``."""
+    hidden = x.shape[-1]
+    for j, wanted in enumerate(aux_layers):
+        if wanted == layer:
+            aux[:, j * hidden : (j + 1) * hidden] = x
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -204,11 +213,37 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits ``[N, V]`` of final-norm hidden states ``[N, hidden]``."""
         return self.lm_head(hidden).float()
 
-    def _decoder(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_with_aux_hidden(
+        self,
+        input_ids: torch.Tensor,  # int64 (T,)
+        positions: torch.Tensor,  # int64 (T,)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # int64 (N,)
+        aux_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, and the hidden states of every new token entering the layers ``aux_layers`` (id k: the
+        residual stream before layer k, as vLLM numbers them - transformers' ``hidden_states[k]`` for k < L, 0 the
+        embeddings; ``L`` the last layer's output before the final norm), concatenated in that order: ``(logits
+        fp32 [N, V], aux [T, len(aux_layers) * hidden])``, aux in the model's dtype. The same operations as
+        ``forward`` (the logits are bitwise the same); each captured layer costs one ``[T, hidden]`` copy
+        (EAGLE-3 heads)."""
+        hidden = self.config.hidden_size
+        aux = self.embed_tokens.weight.new_empty(input_ids.shape[0], len(aux_layers) * hidden)
+        x = self._decoder(input_ids, positions, kv_cache, meta, capture=(aux_layers, aux))
+        return self.logits(self.norm(x[logits_indices])), aux
+
+    def _decoder(self, input_ids, positions, kv_cache, meta: AttentionMetadata,
+                 capture: tuple[tuple[int, ...], torch.Tensor] | None = None) -> torch.Tensor:
         k_caches, v_caches = kv_cache
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
+            if capture is not None:
+                _capture_layer(x, i, *capture)
             x = layer(x, positions, k_caches[i], v_caches[i], meta)
+        if capture is not None:
+            _capture_layer(x, len(self.layers), *capture)
         return x  # (T, hidden), before the final norm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
