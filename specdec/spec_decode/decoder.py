@@ -24,6 +24,7 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.device import to_device
+from specdec.model.llama import LlamaForCausalLM
 from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.runner.step_output import StepOutput
@@ -49,16 +50,18 @@ class DraftRound:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig, tokenizer: Tokenizer | None):
+    def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig, tokenizer: Tokenizer | None,
+                 target: LlamaForCausalLM | None = None):
         self.spec_config = spec_config
         self.max_model_len = config.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self.k_max = spec_config.num_speculative_tokens  # the longest chain (a tree's deepest path)
-        self.cost_model = spec_config.cost_model or MeasuredCostModel(is_model_free=not spec_config.uses_draft_model)
+        self.cost_model = spec_config.cost_model or MeasuredCostModel(is_model_free=not spec_config.drafts_with_a_model)
         self.adaptive = AdaptiveK(self.k_max, self.cost_model) if spec_config.adaptive else None
         self.timer = ForwardTimer() if self.adaptive is not None else None  # forwards are timed for adaptive k only
         self.proposer: Proposer = build_proposer(config, spec_config, tokenizer, self.timer,
-                                                 self.cost_model.observe_draft if self.timer is not None else None)
+                                                 self.cost_model.observe_draft if self.timer is not None else None,
+                                                 target=target)
         self.max_positions = self.proposer.max_positions or config.max_model_len
         self.stats = {"rollback_freed_blocks": 0}  # engine-wide counters (tests assert page-boundary rollbacks)
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
@@ -210,6 +213,20 @@ class SpeculativeDecoder:
         kept = request.num_computed
         self.stats["rollback_freed_blocks"] += target_block_manager.truncate_to(request.seq_id, kept)
         self.proposer.rollback(request, kept)
+
+    # --- the target's hidden states (an EAGLE-3 proposer; engine/step.py) ------------------------------------
+    @property
+    def aux_hidden_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose hidden states the proposer is fed (the target forward then captures them), or
+        None: it reads none, and the forward captures nothing."""
+        return getattr(self.proposer, "aux_hidden_layers", None)
+
+    def keep_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
+                           hidden: torch.Tensor) -> None:
+        """Hand the proposer the target's hidden states ``[sum(counts), len(aux_hidden_layers) * H]`` of the
+        tokens each request keeps after this step: ``counts[i]`` of request ``seq_ids[i]`` from position
+        ``starts[i]`` on, request-major (beyond the committed KV until the commit: ``discard`` drops them)."""
+        self.proposer.take_hidden_states(seq_ids, starts, counts, hidden)
 
 
 def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:
