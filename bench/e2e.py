@@ -324,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tree", default=None, help="draft a token tree: e.g. 3,2,1,1 or dynamic (default: chains)")
     parser.add_argument("--tree-budget", type=int, default=16, help="node budget of a dynamic tree")
+    parser.add_argument("--tree-policy", choices=["measured", "always"], default="measured",
+                        help="tree or chain per round by measured cost, or a tree every round")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--prompts", default=",".join(PROMPT_CLASSES), help="comma-separated prompt classes")
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     spec_config = specdec.SpeculativeConfig(method=args.method, draft_model=draft_path,
                                             num_speculative_tokens=args.k, adaptive=args.adaptive,
                                             verify=args.verify, tree=parse_tree(args.tree),
-                                            tree_budget=args.tree_budget)
+                                            tree_budget=args.tree_budget, tree_policy=args.tree_policy)
     prompts = load_prompts(args.prompts.split(","), args.prompts_per_class)
     print(f"{meta['machine']}, torch {meta['torch']}, transformers {meta['transformers']}, "
           f"{torch.get_num_threads()} thread(s), load {meta['load_average_at_start'][0]:.1f}", flush=True)

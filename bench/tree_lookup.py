@@ -104,7 +104,8 @@ def summarise(rows: list[dict]) -> dict:
 
 def greedy_outputs(target: str, classes: list[str], per_class: int | None, max_tokens: int) -> dict:
     """{class: [(prompt ids, greedy output ids)]}, generated once and cached under bench/out."""
-    cache = OUT_DIR / f"tree_lookup_streams_{target.replace('/', '_')}_{'-'.join(classes)}_{per_class}_{max_tokens}.json"
+    key = f"{target.replace('/', '_')}_{'-'.join(classes)}_{per_class}_{max_tokens}"
+    cache = OUT_DIR / f"tree_lookup_streams_{key}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
     path = resolve_model(target)
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     classes = args.prompts.split(",")
     streams = greedy_outputs(args.target, classes, args.prompts_per_class, args.max_tokens)
 
-    results = {"meta": {**machine_info(), "command": " ".join(["python -m bench.tree_lookup", *(sys.argv[1:] if argv is None else argv)]),
+    command = " ".join(["python -m bench.tree_lookup", *(sys.argv[1:] if argv is None else argv)])
+    results = {"meta": {**machine_info(), "command": command,
                         "target": args.target, "max_tokens": args.max_tokens,
                         "prompt_lookup_min": args.prompt_lookup_min,
                         "prompts": {cls: len(v) for cls, v in streams.items()}}, "configs": {}}

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
-from specdec.config import VERIFY_METHODS, parse_tree
+from specdec.config import TREE_POLICIES, VERIFY_METHODS, parse_tree
 
 EXIT_USAGE = 2  # bad arguments or input files (argparse's own code)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -162,6 +162,9 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
                             "(default: chains)")
     group.add_argument("--tree-budget", type=int, default=_speculative_default("tree_budget"),
                        help="the most drafted nodes of a dynamic tree")
+    group.add_argument("--tree-policy", choices=TREE_POLICIES, default=_speculative_default("tree_policy"),
+                       help="measured: tree or chain per round by measured cost (a tree only where it pays); always: "
+                            "a tree every round")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +219,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         return None
     return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
                              num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
-                             verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget)
+                             verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget,
+                             tree_policy=args.tree_policy)
 
 
 def _model_path(model: str | None) -> str:

@@ -134,6 +134,7 @@ def parse_tree(text: str | None) -> list[int] | str | None:
 SPECULATIVE_METHODS = ("draft_model", "ngram", "prompt_lookup", "combined", "eagle3")
 MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram")
 VERIFY_METHODS = ("token", "block")
+TREE_POLICIES = ("measured", "always")
 
 
 @dataclass
@@ -172,6 +173,10 @@ class SpeculativeConfig:
         tree_max_branch: the most children of one node in a dynamic tree.
         tree_max_batch_size: trees are drafted only while at most this many requests run; a larger batch drafts
             chains (on a GPU a tree is nearly free at batch 1 and costly at large batch; docs/benchmarks.md).
+        tree_policy: with ``tree`` set, "measured" (default): each round drafts the tree or the chain, whichever its
+            measured yield and costs value more (specdec/spec_decode/adaptive.py), so a tree is drafted only where
+            it pays - with ``adaptive=True`` the depth adapts too (and a plain step is a candidate); "always": a tree
+            every round while the batch is small enough (the depth is k_eff; not with ``adaptive=True``).
     """
 
     method: str = "draft_model"
@@ -191,6 +196,7 @@ class SpeculativeConfig:
     tree_budget: int = 16
     tree_max_branch: int = 4
     tree_max_batch_size: int = 4
+    tree_policy: str = "measured"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -215,8 +221,9 @@ class SpeculativeConfig:
         if self.combined_lookup not in MODEL_FREE_LOOKUPS:
             raise ValueError(f"combined_lookup {self.combined_lookup!r} is not supported; supported: "
                              f"{MODEL_FREE_LOOKUPS}")
-        if self.cost_model is not None and not self.adaptive:
-            raise ValueError("cost_model is only used with adaptive=True")
+        if self.cost_model is not None and not self.adaptive and not (self.tree is not None and
+                                                                       self.tree_policy == "measured"):
+            raise ValueError("cost_model is only used with adaptive=True or a tree with tree_policy='measured'")
         if self.verify not in VERIFY_METHODS:
             raise ValueError(f"verify {self.verify!r} is not supported; supported: {VERIFY_METHODS}")
         self._check_tree()
@@ -226,9 +233,12 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tree_policy not in TREE_POLICIES:
+            raise ValueError(f"tree_policy {self.tree_policy!r} is not supported; supported: {TREE_POLICIES}")
         tree = self.tree
-        if tree is not None and self.adaptive:
-            raise ValueError("adaptive k and a draft tree cannot be combined yet; use one or the other")
+        if tree is not None and self.adaptive and self.tree_policy == "always":
+            raise ValueError("tree_policy='always' drafts a tree every round; adaptive=True needs "
+                             "tree_policy='measured' (which chooses tree, chain or a plain step per round)")
         if tree is None or tree == "dynamic":
             return
         if isinstance(tree, tuple):
@@ -251,6 +261,11 @@ class SpeculativeConfig:
         if self.tree == "dynamic":
             return min(self.tree_budget, tree_size([self.tree_max_branch] * depth)) if depth > 0 else 0
         return tree_size(self.tree[:depth])
+
+    @property
+    def measures_trees(self) -> bool:
+        """Rounds choose tree or chain (and, with adaptive k, the depth) from measured costs."""
+        return self.tree is not None and self.tree_policy == "measured"
 
     @property
     def uses_draft_model(self) -> bool:

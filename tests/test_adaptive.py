@@ -4,20 +4,21 @@ from collections import Counter
 
 import pytest
 
-from specdec.spec_decode.adaptive import AdaptiveK, FixedCostModel, MeasuredCostModel, expected_speedup
+from specdec.spec_decode.adaptive import AdaptiveK
+from specdec.spec_decode.cost_model import FixedCostModel, MeasuredCostModel, expected_speedup
 
 # true costs at batch 1: a target forward of n tokens takes A + B*n seconds, one draft step C seconds
 A, B, C = 0.010, 0.0002, 0.001
 
 
-def simulate(adaptive_module, decisions=2000, k_cap=4, k4_outliers=(1,), later_outliers=(1000,),
-             draft_outliers=()):
+def simulate(adaptive_k=AdaptiveK, cost_model=MeasuredCostModel, decisions=2000, k_cap=4, k4_outliers=(1,),
+             later_outliers=(1000,), draft_outliers=()):
     """One request, every draft accepted; the cost model is fed the timings of what was chosen, as the engine
     does (a target forward of k+1 tokens; k-1 timed draft steps: the first draft forward includes catch-up and is
     not timed). ``k4_outliers``: which measurements of k = 4 (1 = the first) take 100x; ``later_outliers``: which
     decisions' target timing takes 100x, whatever k; ``draft_outliers``: which draft timings take 100x."""
-    costs = adaptive_module.MeasuredCostModel()
-    ada = adaptive_module.AdaptiveK(k_max=k_cap, cost_model=costs)
+    costs = cost_model()
+    ada = adaptive_k(k_max=k_cap, cost_model=costs)
     choices, k4_seen, drafts = [], 0, 0
     for i in range(decisions):
         k = ada.choose(0, 1, k_cap)
@@ -47,11 +48,9 @@ def true_best_k(k_cap=4):
     {"draft_outliers": (2, 3, 4)},  # the first real draft timings too
 ], ids=["one_then_one", "burst", "draft"])
 def test_one_outlier_does_not_lock_a_k_out(outliers):
-    import specdec.spec_decode.adaptive as adaptive
-
     best = true_best_k()
     assert best == 4
-    last = Counter(simulate(adaptive, **outliers)[-1000:])
+    last = Counter(simulate(**outliers)[-1000:])
     assert last[best] >= 900, last  # the old EMA model chose k=1 999 times of these 1000 and never 4
     assert all(last[k] > 0 for k in range(1, 5))  # every k keeps being re-measured
 
@@ -87,8 +86,9 @@ def test_warm_up_samples_stand_in_only_while_a_batch_size_has_nothing_else():
     cm.observe_target(1, 1, 0.010)
     cm.observe_target(1, 3, 0.014)
     assert cm.verify_cost(2, 1) == pytest.approx(1.4)  # warm-up samples, nothing better yet
-    cm.observe_target(1, 1, 0.010)  # a real sample: the warm-up ones no longer count
-    assert cm.verify_cost(2, 1) == pytest.approx(1.2)  # one point: no line, the prior again
+    cm.observe_target(1, 1, 0.010)  # a real sample: the warm-up ones no longer make the line
+    assert cm.verify_cost(2, 1) == pytest.approx(1.4)  # one point, no line: the key's own (warm-up) sample
+    assert cm.verify_cost(3, 1) == pytest.approx(1.3)  # nothing at 4 tokens: the prior
     cm.observe_draft(1, 0.004)
     assert cm.draft_cost(1) == pytest.approx(0.4)
     cm.observe_draft(1, 0.002)
@@ -123,10 +123,133 @@ def test_short_requests_still_explore():
 
 
 def test_speculation_off_with_periodic_probes():
-    # a pricey draft: off, a k = 1 probe every probe_every plain steps, every 4th probe k = 2 (times a draft step)
+    # a pricey draft: off; a probe every probe_every plain steps, alternating the best-valued k >= 1 (here 1) and the
+    # k >= 1 gone longest without (ties: the larger), so every k is measured again
     choices = _run(FixedCostModel(c=5.0), 64, probe_every=4)
     assert [i for i, k in enumerate(choices) if k] == list(range(3, 64, 4))
-    assert [k for k in choices if k] == [1, 1, 1, 2] * 4
-    # a free drafter whose verification does not pay: k = 1 probes only
+    assert [k for k in choices if k] == [1, 4, 1, 3, 1, 2] * 2 + [1, 4, 1, 3]
+    # a free drafter whose verification does not pay: off, the same probes
     choices = _run(FixedCostModel(c=0.0, verify_slope=2.0), 64, probe_every=4)
-    assert [k for k in choices if k] == [1] * 16 and choices.count(0) == 48
+    assert choices.count(0) == 48 and set(choices) == {0, 1, 2, 3, 4}
+
+
+# --- from any start: k = 0 on a high-acceptance stream whose short windows are slow ---------------------------
+# A target forward of n tokens (one request) costs T[n] target-decode units: on CPU a 2- or 3-row float32 GEMM
+# without a packed weight can cost several decodes while a 5-row one with it costs ~1 (measured on an AMD EPYC:
+# docs/benchmarks.md, "Adaptive k"); one draft step costs 0.3.
+SLOW_SHORT = {1: 1.0, 2: 3.0, 3: 3.5, 4: 1.05, 5: 1.1}
+
+
+def simulate_stream(accept, decisions=600, k_cap=4, target=SLOW_SHORT, draft=0.3, adaptive_k=AdaptiveK,
+                    cost_model=MeasuredCostModel):
+    """One request; ``accept(j)`` says whether draft j (1-based) of a round is accepted (a deterministic stream).
+    The cost model is fed what was chosen, as the engine does: the target forward of k + 1 tokens, k - 1 timed draft
+    steps. It starts having seen only slow k = 1 rounds (what an engine on such a CPU measures first)."""
+    costs = cost_model()
+    ada = adaptive_k(k_max=k_cap, cost_model=costs)
+    for _ in range(4):  # the start: k = 1 windows measured slow, decodes fast, a k = 1 round accepted
+        costs.observe_target(1, 2, target[2])
+        costs.observe_target(1, 1, target[1])
+    choices = []
+    for _ in range(decisions):
+        k = ada.choose(0, 1, k_cap)
+        costs.observe_target(1, k + 1, target[k + 1])
+        for _ in range(k - 1):
+            costs.observe_draft(1, draft)
+        if k:
+            accepted = 0
+            while accepted < k and accept(accepted + 1):
+                accepted += 1
+            ada.observe(0, drafted=k, accepted=accepted)
+        choices.append(k)
+    return choices
+
+
+def best_fixed_k(accept_prob, k_cap=4, target=SLOW_SHORT, draft=0.3):
+    """The k with the most tokens per unit of time for per-position acceptance ``accept_prob[j - 1]``."""
+    def value(k):
+        tokens, survive = 1.0, 1.0
+        for j in range(k):
+            survive *= accept_prob[j]
+            tokens += survive
+        return tokens / (k * draft + target[k + 1] / target[1])
+    return max(range(k_cap + 1), key=value)
+
+
+def test_from_k0_it_climbs_to_the_long_k_that_pays():
+    """Every draft accepted, k = 1 and 2 windows slow, k = 4 cheap: the best k is 4. The old probes (k = 1 only,
+    sometimes 2) never measured k = 4 and stayed at k = 0 (run against the previous adaptive.py: k = 0 in 281 of
+    the last 300 decisions, the other 19 its k = 1 / 2 probes)."""
+    assert best_fixed_k([1.0] * 4) == 4
+    last = Counter(simulate_stream(lambda j: True)[-300:])
+    assert last[4] >= 0.9 * 300, last
+
+
+def test_per_position_acceptance_prices_a_structured_prefix():
+    """Drafts 1-2 always accepted, 3-4 never (a structured prefix, a free tail): the best k is 2 and the per-position
+    estimates find it (the previous adaptive.py, one pooled alpha: k = 2 in 137 of the last 300 decisions, k = 3 in
+    144)."""
+    flat = {n: 1.0 + 0.02 * n for n in range(1, 6)}
+    best = best_fixed_k([1.0, 1.0, 0.0, 0.0], target=flat)
+    assert best == 2
+    last = Counter(simulate_stream(lambda j: j <= 2, target=flat)[-300:])
+    assert last[2] >= 0.85 * 300, last
+    ada = AdaptiveK(k_max=4, cost_model=FixedCostModel())
+    for _ in range(30):
+        ada.observe(0, drafted=4, accepted=2)
+    r = ada.position_acceptance(0)
+    assert r[0] > 0.9 and r[1] > 0.9 and r[2] < 0.15  # position 3 reached and rejected every time
+    assert ada.expected_tokens(0, 4) == pytest.approx(1 + r[0] + r[0] * r[1] + r[0] * r[1] * r[2] +
+                                                      r[0] * r[1] * r[2] * r[3])
+
+
+# --- trees: chosen by their measured yield and costs --------------------------------------------------------
+def simulate_trees(costs, chain_accept, tree_tokens, decisions=400, k_cap=3, adapt_depth=False, nodes=lambda d: 3 * d):
+    """One request with trees allowed. A chain round of k accepts its first ``chain_accept(j)`` drafts; a tree round
+    of depth d emits ``tree_tokens(d)`` tokens. Returns the arms chosen."""
+    ada = AdaptiveK(k_max=k_cap, cost_model=costs, tree_nodes=nodes, adapt_depth=adapt_depth)
+    arms = []
+    for _ in range(decisions):
+        arm = ada.choose_arm(0, 1, k_cap, trees=True)
+        if arm.depth and arm.tree:
+            ada.observe(0, drafted=arm.depth, accepted=tree_tokens(arm.depth) - 1, tree=True)
+        elif arm.depth:
+            accepted = 0
+            while accepted < arm.depth and chain_accept(accepted + 1):
+                accepted += 1
+            ada.observe(0, drafted=arm.depth, accepted=accepted)
+        arms.append(arm)
+    return arms
+
+
+def test_a_tree_that_does_not_pay_for_its_window_is_not_drafted():
+    """Chains accept 2 of 3 (3 tokens a round for 1 + 3 * 0.05 units); a tree of depth 3 emits 3.3 tokens but its
+    9-node window costs 3x a chain window: value 3 / 1.29 = 2.3 against 3.3 / 2.05 = 1.6. After exploring it, the
+    chain is chosen (a tree never runs where a chain does better) - with fixed depth and with adaptive depth."""
+    costs = FixedCostModel(c=0.0, verify_slope=0.05, tree_verify_factor=3.0)
+    for adapt in (False, True):
+        arms = simulate_trees(costs, lambda j: j <= 2, lambda d: min(d, 2) + 1.3, adapt_depth=adapt)
+        last = Counter(arms[-200:])
+        assert sum(n for a, n in last.items() if a.tree) <= 200 / 16 + 2, last  # exploration only
+        assert any(a.tree for a in arms), "the tree arm was never measured"
+
+
+def test_a_tree_that_pays_is_drafted():
+    """Chains accept 1 draft (2 tokens a round); a depth-3 tree emits 3.5 tokens and its window costs little more:
+    the tree wins, 3.5 / 1.18 = 3.0 against 2 / 1.06 = 1.9 (verify_slope 0.02, tree windows 1x)."""
+    costs = FixedCostModel(c=0.0, verify_slope=0.02)
+    arms = simulate_trees(costs, lambda j: j <= 1, lambda d: d + 0.5)
+    last = Counter(arms[-200:])
+    assert last[(3, True)] >= 0.9 * 200, last
+
+
+def test_trees_are_measured_not_assumed():
+    """Before any tree round the tree's yield leans on the chain's (a lower bound), so a costlier tree window is
+    not chosen on faith: the first drafting decision is the chain."""
+    ada = AdaptiveK(k_max=3, cost_model=FixedCostModel(c=0.0, verify_slope=0.05), tree_nodes=lambda d: 3 * d,
+                    adapt_depth=False)
+    assert ada.choose_arm(0, 1, 3, trees=True) == (3, False)
+    assert ada.expected_tree_tokens(0, 3) == pytest.approx(ada.expected_tokens(0, 3))
+    for _ in range(20):
+        ada.observe(0, drafted=3, accepted=3, tree=True)
+    assert ada.expected_tree_tokens(0, 3) > 3.5

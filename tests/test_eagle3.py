@@ -63,9 +63,12 @@ def plain(target):
 
 
 def eagle_llm(target, head, **kwargs) -> specdec.LLM:
+    """An engine drafting with ``head``; a tree is drafted every round (``tree_policy="always"``) unless told
+    otherwise: the tests of trees must see trees (the measured default may draft the chain)."""
     spec = SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=kwargs.pop("k", 3),
                              tree=kwargs.pop("tree", None), tree_budget=kwargs.pop("tree_budget", 8),
-                             verify=kwargs.pop("verify", "token"), adaptive=kwargs.pop("adaptive", False))
+                             tree_policy=kwargs.pop("tree_policy", "always"), verify=kwargs.pop("verify", "token"),
+                             adaptive=kwargs.pop("adaptive", False), cost_model=kwargs.pop("cost_model", None))
     return specdec.LLM(target, dtype="float32", block_size=4, max_model_len=kwargs.pop("max_model_len", 128),
                        num_kv_blocks=kwargs.pop("num_kv_blocks", 200), speculative=spec, **kwargs)
 

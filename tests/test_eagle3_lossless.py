@@ -50,8 +50,9 @@ def eagle_prefix_logits(model_dirs):  # noqa: F811
 
 
 def eagle_llm(target, head, tree, depth, verify="token"):
-    spec = specdec.SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=depth, tree=tree,
-                                     tree_budget=4, tree_max_branch=2, tree_max_batch_size=256, verify=verify)
+    spec = specdec.SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=depth,
+                                     tree_policy="always", tree=tree, tree_budget=4, tree_max_branch=2,
+                                     tree_max_batch_size=256, verify=verify)
     return specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
                        kv_cache_memory_gb=0.02, speculative=spec)
 

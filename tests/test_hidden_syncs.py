@@ -112,13 +112,13 @@ def _configs(draft: str, eagle_head: str) -> dict[str, SpeculativeConfig | None]
     eagle = dict(method="eagle3", draft_model=eagle_head, num_speculative_tokens=3)
     return {
         "eagle3_chain": SpeculativeConfig(**eagle),
-        "eagle3_tree_static": SpeculativeConfig(**eagle, tree=[2, 1, 1]),
-        "eagle3_tree_dynamic": SpeculativeConfig(**eagle, tree="dynamic", tree_budget=6),
+        "eagle3_tree_static": SpeculativeConfig(**eagle, tree_policy="always", tree=[2, 1, 1]),
+        "eagle3_tree_dynamic": SpeculativeConfig(**eagle, tree_policy="always", tree="dynamic", tree_budget=6),
         "plain": None,
         "chain": SpeculativeConfig(**model),
         "chain_block": SpeculativeConfig(**model, verify="block"),
-        "tree_static": SpeculativeConfig(**model, tree=[2, 1, 1]),
-        "tree_dynamic": SpeculativeConfig(**model, tree="dynamic", tree_budget=6),
+        "tree_static": SpeculativeConfig(**model, tree_policy="always", tree=[2, 1, 1]),
+        "tree_dynamic": SpeculativeConfig(**model, tree_policy="always", tree="dynamic", tree_budget=6),
         "prompt_lookup": SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=3, prompt_lookup_min=1),
         "combined": SpeculativeConfig(method="combined", draft_model=draft, num_speculative_tokens=3,
                                       prompt_lookup_min=1),

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec
 from specdec import SamplingParams
-from specdec.spec_decode.adaptive import FixedCostModel
+from specdec.spec_decode.cost_model import FixedCostModel
 
 K = 4
 ENGINE_BUDGET = {"plain": 1, "speculative": 1}  # host reads made by specdec/ per step (per round)
@@ -168,7 +168,8 @@ def test_an_eagle3_round_reads_as_a_draft_models_whatever_the_batch(tiny_pair, t
     target, _ = tiny_pair
     head = str(tmp_path / "head")
     make_tiny_eagle3_head(head, target, seed=6, aux_layer_ids=[0, 1, 2], draft_ids=list(range(0, 300, 2)))
-    spec = specdec.SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=K, tree=tree)
+    spec = specdec.SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=K, tree=tree,
+                                     tree_policy="always")
     params = SamplingParams(temperature=temperature, max_tokens=60, ignore_eos=True, seed=3)
     reads = {}
     for batch in (1, 4):
@@ -184,7 +185,8 @@ def test_the_documented_exceptions_read_a_fixed_number_whatever_the_batch(tiny_p
     tree round: per depth q's top probabilities and the drawn children, then the verification read (2k + 1).
     Logprobs: one more read for the emitted tokens' logprobs (1 + 1)."""
     target, _ = tiny_pair
-    spec = _self_drafting(draft_model=target, **({"tree": "dynamic"} if feature == "tree" else {}))
+    tree = {"tree": "dynamic", "tree_policy": "always"} if feature == "tree" else {}
+    spec = _self_drafting(draft_model=target, **tree)
     params = SamplingParams(temperature=0.8, max_tokens=60, ignore_eos=True, seed=3,
                             **{"penalties": {"repetition_penalty": 1.2}, "tree": {},
                                "logprobs": {"logprobs": 2}}[feature])

@@ -24,7 +24,8 @@ SPEC_CONFIGS = {
     "draft_model": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=4),
     "draft_model_block": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=4, verify="block"),
     # a token j on an accepted tree path comes from its node's row, not from row j
-    "draft_tree": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=3, tree=[2, 2, 1]),
+    "draft_tree": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=3, tree_policy="always",
+                                                  tree=[2, 2, 1]),
 }
 
 

@@ -41,7 +41,8 @@ def tree_rounds(outs):
 def test_draft_model_tree_greedy_parity(tiny_pair, tiny_pair_plain, tree, batch):
     ps = prompts(6, seed=len(str(tree)) + batch)
     ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=4, tree=tree, tree_budget=10)
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=4, tree_policy="always", tree=tree,
+                             tree_budget=10)
     llm = tree_llm(tiny_pair[0], spec, max_num_seqs=batch)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -55,8 +56,8 @@ def test_draft_model_tree_greedy_parity(tiny_pair, tiny_pair_plain, tree, batch)
 def test_model_free_tree_greedy_parity(tiny_pair, tiny_pair_plain, method, tree):
     ps = prompts(4, seed=5, repeat=True)
     ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    llm = tree_llm(tiny_pair[0], SpeculativeConfig(method=method, num_speculative_tokens=4, tree=tree),
-                   max_num_seqs=4)
+    llm = tree_llm(tiny_pair[0], SpeculativeConfig(method=method, num_speculative_tokens=4, tree_policy="always",
+                                                   tree=tree), max_num_seqs=4)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert sum(o.metrics["accepted"] for o in outs) > 0
@@ -69,7 +70,7 @@ def test_trees_mixed_with_prefill_chunks_and_plain_rows(tiny_pair, tiny_pair_pla
     ps = prompts(3, seed=7, lo=3, hi=8) + prompts(2, seed=8, lo=60, hi=90)
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 2, 17, 24, 9)]
     ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=params)]
-    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree=[2, 2, 1])
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree_policy="always", tree=[2, 2, 1])
     llm = tree_llm(tiny_pair[0], spec, max_num_seqs=5, max_num_batched_tokens=24)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == ref
@@ -82,7 +83,7 @@ def test_tree_accepts_at_least_the_chain_under_greedy(tiny_pair):
     ps = prompts(4, seed=9)
     chain = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3))
     tree = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3,
-                                                    tree=[2, 2, 2]))
+                                                    tree_policy="always", tree=[2, 2, 2]))
     c = chain.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     t = tree.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in c] == [o.outputs[0].token_ids for o in t]
@@ -95,7 +96,7 @@ def test_large_batches_draft_chains(tiny_pair, tiny_pair_plain):
     """Above tree_max_batch_size the same engine drafts chains (the policy of docs/architecture.md)."""
     ps = prompts(4, seed=10)
     ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree=[3, 1, 1],
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree_policy="always", tree=[3, 1, 1],
                              tree_max_batch_size=2)
     llm = tree_llm(tiny_pair[0], spec, max_num_seqs=4)
     seen = []
@@ -115,7 +116,8 @@ def test_large_batches_draft_chains(tiny_pair, tiny_pair_plain):
 def test_random_tree_rounds_leak_nothing(tiny_pair):
     """Random prompts, lengths, parameters and aborts with sampled trees: every block returns to both pools."""
     gen = torch.Generator().manual_seed(11)
-    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=4, tree="dynamic", tree_budget=9)
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=4, tree_policy="always", tree="dynamic",
+                             tree_budget=9)
     llm = tree_llm(tiny_pair[0], spec, max_num_seqs=3, max_num_batched_tokens=32, max_model_len=96)
     engine = llm.engine
     for i, ids in enumerate(prompts(8, seed=12, lo=2, hi=50)):
@@ -143,8 +145,8 @@ def test_self_speculation_with_trees_accepts_every_level(tiny_pair, params):
     p = q accepts the first child surely), so every round accepts the full depth - which also holds only if
     the draft's cache was compacted correctly after each round (a stale or misplaced K/V changes its q)."""
     target = tiny_pair[0]
-    llm = tree_llm(target, SpeculativeConfig(draft_model=target, num_speculative_tokens=3, tree=[2, 2, 1]),
-                   enable_prefix_caching=False)
+    llm = tree_llm(target, SpeculativeConfig(draft_model=target, num_speculative_tokens=3, tree_policy="always",
+                                             tree=[2, 2, 1]), enable_prefix_caching=False)
     outs = llm.generate(prompt_token_ids=prompts(3, seed=13), sampling_params=params)
     for o in outs:
         m = o.metrics
@@ -158,7 +160,7 @@ def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypat
     ps = prompts(4, seed=14)
     ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
     llm = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3,
-                                                   tree=[2, 1, 1]), max_num_seqs=4)
+                                                   tree_policy="always", tree=[2, 1, 1]), max_num_seqs=4)
     victim = ps[2]
     real = llm.engine.speculative.verify_round
 
@@ -178,7 +180,8 @@ def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypat
 @pytest.mark.parametrize("tree", [[3, 1, 1], "dynamic"])
 def test_seeded_tree_sampling_reproduces_whatever_the_batch(tiny_pair, tree):
     """fp32 CPU: a seeded sampled request drafts and verifies the same trees alone and batched with others."""
-    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree=tree, tree_budget=8)
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree_policy="always", tree=tree,
+                             tree_budget=8)
     llm = tree_llm(tiny_pair[0], spec, enable_prefix_caching=False)
     target = prompts(1, seed=20)[0]
     params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=42, ignore_eos=True)
@@ -186,3 +189,43 @@ def test_seeded_tree_sampling_reproduces_whatever_the_batch(tiny_pair, tree):
     alone = llm.generate(prompt_token_ids=target, sampling_params=params)[0].outputs[0].token_ids
     batched = llm.generate(prompt_token_ids=[target] + others, sampling_params=[params] + [other_params] * 3)
     assert batched[0].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("tree_window_cost", [0.0, 50.0])
+def test_measured_tree_policy_drafts_trees_only_where_they_pay(tiny_pair, tiny_pair_plain, adaptive, tree_window_cost):
+    """tree_policy="measured" (the default): each round drafts the tree or the chain by value (injected costs here:
+    a chain window of k + 1 tokens costs 1 + 0.1 k decodes). Tree windows that cost a decode whatever their size:
+    trees are drafted in most rounds; 50x dearer per node: only in exploration rounds. Either way the tokens are the
+    target-only greedy tokens and no block leaks."""
+    from specdec.spec_decode.cost_model import FixedCostModel
+
+    ps = prompts(2, seed=21)
+    costs = FixedCostModel(c=0.0, verify_slope=0.1, tree_verify_factor=tree_window_cost)
+    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree=[2, 2, 1], cost_model=costs,
+                             adaptive=adaptive)
+    llm = tree_llm(tiny_pair[0], spec, max_num_seqs=1)
+    calls = {"tree": 0, "chain": 0}
+    proposer = llm.engine.speculative.proposer
+    propose, propose_tree = proposer.propose, proposer.propose_tree
+
+    def spy_chain(*args):
+        calls["chain"] += 1
+        return propose(*args)
+
+    def spy_tree(*args):
+        calls["tree"] += 1
+        return propose_tree(*args)
+
+    proposer.propose, proposer.propose_tree = spy_chain, spy_tree
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    rounds = calls["tree"] + calls["chain"]
+    assert rounds > 0
+    if tree_window_cost == 0.0:
+        assert calls["tree"] >= 0.6 * rounds, calls
+    else:
+        assert 0 < calls["tree"] <= rounds / 8, calls  # measured (explored), then left alone
+    assert_no_leak(llm)

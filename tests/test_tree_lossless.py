@@ -36,8 +36,8 @@ def tree_prefix_logits(model_dirs):  # noqa: F811
 
 def tree_llm(model_dirs, tree, depth):  # noqa: F811
     target, draft = model_dirs
-    spec = specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=depth, tree=tree, tree_budget=5,
-                                     tree_max_branch=3, tree_max_batch_size=256)
+    spec = specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=depth, tree_policy="always", tree=tree,
+                                     tree_budget=5, tree_max_branch=3, tree_max_batch_size=256)
     return specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
                        kv_cache_memory_gb=0.05, enable_prefix_caching=False, speculative=spec)
 

@@ -225,7 +225,8 @@ class LLMEngine:
             if update.lookahead_granted is not None:
                 m.k_per_step.append(update.lookahead_granted)
             if update.verified:
-                self.speculative.observe_round(seq.seq_id, update.drafted, update.accepted)
+                self.speculative.observe_round(seq.seq_id, update.drafted, update.accepted,
+                                               tree=update.accepted_nodes is not None)
                 self.speculative.rollback(seq, self.block_manager)
             if not update.new_tokens:
                 return None

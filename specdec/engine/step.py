@@ -80,7 +80,7 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, decoder: Speculativ
     start = decoder.start_target_timer(runner.device) if decoder is not None and observe_costs else None
     logits, aux_hidden = _target_forward(runner, decoder, items, input_ids)  # fp32 [R, V], R = sum(num_logits)
     if start is not None:
-        decoder.observe_target(start, len(items), input_starts[-1])
+        decoder.observe_target(start, len(items), input_starts[-1], tree=meta is not None and meta.trees is not None)
 
     out = StepOutput()
     plain = [i for i, item in enumerate(items) if item.num_logits and batch.seqs[i].seq_id not in window_of]

@@ -2,12 +2,15 @@
 
 Why: speculative decoding pays off only if the target's forward over a k+1-token window costs about what a
 one-token decode costs (the layer is weight-bandwidth bound either way). On CPU, MKL's float32 GEMM
-(``F.linear``) keeps that promise for up to 3 rows, then switches to a path that repacks the whole weight
-on every call: measured on SmolLM2-135M (1 thread), the LM head costs 13 ms for 1-3 rows and 26-45 ms for
-4-8, and a whole forward over 5 tokens 1.6x a decode step. oneDNN's prepacked weights (the format
-``torch.compile``'s CPU freezing uses) cost the same for 1 to 16 rows but carry ~0.06 ms of fixed overhead
-per call, which loses for one row. So a float32 ``Linear`` keeps both: ``F.linear`` below ``PREPACK_MIN_ROWS``
-rows (decode), the packed copy from there up (verification windows, batched decode, prefill).
+(``F.linear``) does not keep that promise: on an Intel Xeon it held for up to 3 rows, then switched to a path
+that repacks the whole weight on every call (SmolLM2-135M, 1 thread: the LM head 13 ms for 1-3 rows, 26-45 ms
+for 4-8; a forward over 5 tokens 1.6x a decode step); on an AMD EPYC it scales with the rows from 2 on (Qwen2.5
+1.5B shapes, 1 thread: an 8960 x 1536 linear 4.4 ms for 1 row, 9.0 for 2, 12.9 for 3; the 151936-row LM head 67,
+144, 211 ms). oneDNN's prepacked weights (the format ``torch.compile``'s CPU freezing uses) cost the same for 1 to
+16 rows (4-5 ms and 47-73 ms there) but carry a small fixed overhead per call, which loses for one row. So a
+float32 ``Linear`` keeps both: ``F.linear`` for one row (decode), the packed copy from ``PREPACK_MIN_ROWS`` = 2
+rows up (verification windows, batched decode, prefill) - on the Xeon that costs ~0.06 ms per call at 2-3 rows,
+on the EPYC it makes a 2-token window cost what a 5-token one does instead of 3x.
 
 bfloat16 is different: ``F.linear`` in bf16 goes through oneDNN without a packed weight and reorders it on
 every call, for any row count (SmolLM2's LM head: 7.4 ms for 1 row, 10.3 ms for 5, 11.7 ms for 8), while the
@@ -32,7 +35,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PREPACK_MIN_ROWS = 4  # float32: F.linear below this many rows, the prepacked weight from here up
+PREPACK_MIN_ROWS = 2  # float32: F.linear below this many rows, the prepacked weight from here up
 PREPACK_MIN_ROWS_BF16 = 1  # bfloat16: the prepacked weight for every row count (F.linear reorders per call)
 _PACK_BATCH_HINT = 8  # the row count oneDNN tunes the packed layout for (measured: good for 4..16 rows)
 

@@ -29,8 +29,9 @@ from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.runner.step_output import StepOutput
 from specdec.sampling.metadata import SamplingMetadata
-from specdec.spec_decode.adaptive import AdaptiveK, MeasuredCostModel
+from specdec.spec_decode.adaptive import PLAIN, AdaptiveK, Arm
 from specdec.spec_decode.compaction import compact_target
+from specdec.spec_decode.cost_model import MeasuredCostModel
 from specdec.spec_decode.metadata import SpecDecodeMetadata
 from specdec.spec_decode.proposers.base import DraftProposal, Proposer
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer
@@ -56,15 +57,34 @@ class SpeculativeDecoder:
         self.max_model_len = config.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self.k_max = spec_config.num_speculative_tokens  # the longest chain (a tree's deepest path)
+        self.device = config.device
         self.cost_model = spec_config.cost_model or MeasuredCostModel(is_model_free=not spec_config.drafts_with_a_model)
-        self.adaptive = AdaptiveK(self.k_max, self.cost_model) if spec_config.adaptive else None
-        self.timer = ForwardTimer() if self.adaptive is not None else None  # forwards are timed for adaptive k only
+        # adaptive choices: the chain length (adaptive=True) and/or tree or chain per round (tree_policy "measured")
+        self.adaptive = self._new_adaptive() if spec_config.adaptive or spec_config.measures_trees else None
+        self.timer = ForwardTimer() if self.adaptive is not None else None  # forwards are timed for those only
+        self._arms: dict[int, Arm] = {}  # seq id -> the arm chosen at its last lookahead (adaptive choices only)
         self.proposer: Proposer = build_proposer(config, spec_config, tokenizer, self.timer,
                                                  self.cost_model.observe_draft if self.timer is not None else None,
                                                  target=target)
         self.max_positions = self.proposer.max_positions or config.max_model_len
         self.stats = {"rollback_freed_blocks": 0}  # engine-wide counters (tests assert page-boundary rollbacks)
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
+
+    def reset_adaptive(self) -> None:
+        """Forget what adaptive k measured and estimated (a fresh cost model and acceptance): a cold start, as a new
+        engine has, for an engine that was warmed up (benchmarks). No-op without adaptive k or with injected costs."""
+        if self.adaptive is None or self.spec_config.cost_model is not None:
+            return
+        self.cost_model = MeasuredCostModel(is_model_free=not self.spec_config.drafts_with_a_model)
+        self.adaptive = self._new_adaptive()
+        drafter = self.draft_model if self.draft_model is not None else self.proposer  # a draft model or EAGLE-3 head
+        if getattr(drafter, "on_forward", None) is not None:  # model-free proposers time no draft forward
+            drafter.on_forward = self.cost_model.observe_draft
+
+    def _new_adaptive(self) -> AdaptiveK:
+        spec = self.spec_config
+        return AdaptiveK(self.k_max, self.cost_model, tree_nodes=spec.tree_nodes if spec.measures_trees else None,
+                         adapt_depth=spec.adaptive)
 
     @property
     def block_managers(self) -> list[BlockManager]:
@@ -85,13 +105,17 @@ class SpeculativeDecoder:
     # --- how far each request may speculate (the scheduler asks before every step) ---------------------------
     def lookahead(self, request: RequestView) -> int:
         """Slots to reserve beyond the last token: the chain length k_eff = min(k_max, max_model_len - kv_len - 1,
-        max_tokens_left - 1, draft positions - kv_len - 1), further lowered by adaptive k; with a tree (while the
-        batch is small enough for trees), the tree's drafted nodes at depth k_eff."""
+        max_tokens_left - 1, draft positions - kv_len - 1); with adaptive choices the arm's (a chain's length, a
+        tree's drafted nodes, at the depth chosen); with ``tree_policy="always"`` (while the batch is small enough
+        for trees) the tree's drafted nodes at depth k_eff."""
         k_cap = self._k_cap(request)
         if k_cap <= 0:
             return 0
         if self.adaptive is not None:
-            return self.adaptive.choose(request.seq_id, self.batch_size, k_cap)
+            trees = self._trees_now(self.batch_size)
+            arm = self.adaptive.choose_arm(request.seq_id, self.batch_size, k_cap, trees=trees)
+            self._arms[request.seq_id] = arm
+            return self.spec_config.tree_nodes(arm.depth) if arm.tree else arm.depth
         if self._trees_now(self.batch_size):
             return self.spec_config.tree_nodes(k_cap)
         return k_cap
@@ -107,6 +131,7 @@ class SpeculativeDecoder:
     def free(self, seq_id: int, finished: bool) -> None:
         """The request left the running batch (``finished``: for good; else preempted)."""
         self.proposer.free(seq_id, finished)
+        self._arms.pop(seq_id, None)
         if self.adaptive is not None and finished:
             self.adaptive.free(seq_id)
 
@@ -119,17 +144,34 @@ class SpeculativeDecoder:
         granted = {r.seq_id: n for r, n in zip(requests, lookaheads)}
         if not speculating:
             return DraftRound([], None, granted, {})
-        if self._trees_now(batch_size):
-            depths = [min(self._k_cap(r), n) for r, n in zip(speculating, budgets)]  # the depth stays within k_eff
+        if self._tree_round(speculating, batch_size):
+            depths = [min(self._k_cap(r), self._depth(r, n)) for r, n in zip(speculating, budgets)]
+            start = self.timer.start(self.device) if self.timer is not None else None
             proposal = self.proposer.propose_tree(speculating, depths, budgets)
-        else:
-            proposal = self.proposer.propose(speculating, budgets)
+            if start is not None:  # the whole drafting: a draft model reads the host at every depth anyway
+                depth = max(depths)
+                self.timer.stop(start, lambda seconds: self.cost_model.observe_tree_draft(batch_size, depth, seconds))
+        else:  # a request that chose a tree drafts the chain of the tree's depth (its slots hold it)
+            proposal = self.proposer.propose(speculating, [self._depth(r, n) for r, n in zip(speculating, budgets)])
         # requests the proposer had nothing for take a plain step
         counts = proposal.counts()
         keep = [i for i, n in enumerate(counts) if n]
         forwards = proposal.draft_forwards or [0] * len(speculating)
         return DraftRound([speculating[i] for i in keep], _select(proposal, keep) if keep else None, granted,
                           {r.seq_id: f for r, f in zip(speculating, forwards)})
+
+    def _tree_round(self, speculating: list[RequestView], batch_size: int) -> bool:
+        """Trees this round: the batch is small enough and (measured policy) every drafting request chose one."""
+        if not self._trees_now(batch_size):
+            return False
+        if not self.spec_config.measures_trees:
+            return True
+        return all(self._arms.get(r.seq_id, PLAIN).tree for r in speculating)
+
+    def _depth(self, request: RequestView, granted: int) -> int:
+        """The depth a request drafts to: its arm's (within the slots granted), else the slots granted."""
+        arm = self._arms.get(request.seq_id)
+        return min(arm.depth, granted) if arm is not None and arm.depth else granted
 
     def metadata(self, draft_round: DraftRound, logits_starts: list[int], input_starts: list[int], num_logits: int,
                  device: torch.device) -> SpecDecodeMetadata:
@@ -191,9 +233,10 @@ class SpeculativeDecoder:
         """A start mark for timing the target forward, or None when adaptive k is off (nothing is timed)."""
         return self.timer.start(device) if self.timer is not None else None
 
-    def observe_target(self, start: object, batch_size: int, num_tokens: int) -> None:
-        """The target forward begun at ``start`` feeds the cost model (recorded by ``flush_timings``, no sync)."""
-        self.timer.stop(start, lambda seconds: self.cost_model.observe_target(batch_size, num_tokens, seconds))
+    def observe_target(self, start: object, batch_size: int, num_tokens: int, tree: bool = False) -> None:
+        """The target forward begun at ``start`` (``tree``: of tree windows) feeds the cost model (recorded by
+        ``flush_timings``, no sync)."""
+        self.timer.stop(start, lambda seconds: self.cost_model.observe_target(batch_size, num_tokens, seconds, tree))
 
     def flush_timings(self) -> None:
         """Hand the cost model the forward timings that have completed (after the step's host read)."""
@@ -201,10 +244,11 @@ class SpeculativeDecoder:
             self.timer.flush()
 
     # --- the commit of a verified round (LLMEngine, request by request) --------------------------------------
-    def observe_round(self, seq_id: int, drafted: int, accepted: int) -> None:
-        """A verified round of ``drafted`` drafts, ``accepted`` of them accepted: adaptive k's estimate."""
+    def observe_round(self, seq_id: int, drafted: int, accepted: int, tree: bool = False) -> None:
+        """A verified round of ``drafted`` drafts (a tree: its depth), ``accepted`` of them accepted: the adaptive
+        choices' estimates."""
         if self.adaptive is not None:
-            self.adaptive.observe(seq_id, drafted, accepted)
+            self.adaptive.observe(seq_id, drafted, accepted, tree)
 
     def rollback(self, request: RequestView, target_block_manager: BlockManager) -> None:
         """Keep the K/V of the last token and the accepted drafts (``request.num_computed``, already committed):

@@ -114,7 +114,8 @@ def test_the_checker_raises_on_a_synchronising_copy_and_counts_a_read(monkeypatc
 
 def _engine(model: str, kind: str) -> specdec.LLM:
     spec = None if kind == "plain" else SpeculativeConfig(
-        method="draft_model", draft_model=model, num_speculative_tokens=K, tree=TREE if kind == "tree" else None)
+        method="draft_model", draft_model=model, num_speculative_tokens=K, tree_policy="always",
+        tree=TREE if kind == "tree" else None)
     return specdec.LLM(model, dtype="float32", device="cuda", block_size=16, max_model_len=256,
                        max_num_seqs=BATCH + 1, speculative=spec)
 
