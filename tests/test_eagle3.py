@@ -441,6 +441,35 @@ def test_greedy_parity_mixed_with_prefill_chunks_and_plain_rows(target, heads, p
     assert_pools_whole(llm)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("tree_window_cost", [0.0, 50.0])
+def test_measured_tree_policy_chooses_eagle3_trees_by_value(target, heads, plain, adaptive, tree_window_cost):
+    """tree_policy="measured" (the default) weighs an EAGLE-3 tree against its chain as it does a draft model's
+    (injected costs: a chain window of k + 1 tokens costs 1 + 0.1 k decodes). Tree windows that cost a decode
+    whatever their size: trees in most rounds; 50x dearer per node: only in exploration rounds. Either way the
+    tokens are the plain greedy ones and every pool is whole."""
+    from specdec.spec_decode.cost_model import FixedCostModel
+
+    ps = prompts(2, seed=50)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=params)]
+    costs = FixedCostModel(c=0.0, verify_slope=0.1, tree_verify_factor=tree_window_cost)
+    llm = eagle_llm(target, heads["structured"], tree=[2, 2, 1], tree_policy="measured", cost_model=costs,
+                    adaptive=adaptive, max_num_seqs=1)
+    calls = {"propose": [], "propose_tree": []}
+    for name, log in calls.items():
+        _spy(llm.engine.speculative.proposer, name, log)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    trees, rounds = len(calls["propose_tree"]), len(calls["propose"]) + len(calls["propose_tree"])
+    assert rounds > 0 and sum(o.metrics["accepted"] for o in outs) > 0
+    if tree_window_cost == 0.0:
+        assert trees >= 0.6 * rounds, (trees, rounds)
+    else:
+        assert 0 < trees <= rounds / 8, (trees, rounds)  # measured (explored), then left alone
+    assert_pools_whole(llm)
+
+
 def test_one_token_prompts_and_sampling_with_penalties(target, heads):
     """A one-token prompt drafts from its second step on (nothing to feed the head before); sampled requests
     with penalties and filters run and are reproducible by seed."""
