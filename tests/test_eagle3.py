@@ -517,3 +517,13 @@ def test_greedy_parity_with_block_verification_adaptive_k_and_static_forwards(ta
     target_pool, head_pool = llm.engine.block_managers
     assert target_pool.num_free_blocks == target_pool.num_blocks - 1
     assert head_pool.num_free_blocks == head_pool.num_blocks
+
+
+def test_reset_adaptive_hooks_the_heads_draft_timings_to_the_fresh_cost_model(target, heads):
+    """``SpeculativeDecoder.reset_adaptive`` (a cold start after a warm-up) gives the head's timed draft steps to
+    the new cost model, not the forgotten one."""
+    decoder = eagle_llm(target, heads["structured"], adaptive=True).engine.speculative
+    old = decoder.cost_model
+    decoder.reset_adaptive()
+    assert decoder.cost_model is not old
+    assert decoder.proposer.on_forward == decoder.cost_model.observe_draft
