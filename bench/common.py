@@ -54,14 +54,12 @@ def resolve_model(name: str) -> str:
 def weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes of weights one decode step reads: every parameter once (tied ones once), but not the embedding
     table unless it doubles as the LM head (a lookup reads only the rows of the batch's tokens)."""
-    seen, total = set(), 0
+    total = 0
     embed = model.embed_tokens.weight
-    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
-    for param in model.parameters():
-        ptr = param.data_ptr()
-        if ptr in seen or (param is embed and not tied):
+    tied = model.lm_head.weight is embed
+    for param in model.parameters():  # each parameter once (tied ones are one object); released ones are meta
+        if param is embed and not tied:
             continue
-        seen.add(ptr)
         total += param.numel() * param.element_size()
     return total
 

@@ -73,7 +73,8 @@ def build_engines(path: str, batch: int, model_len: int = 2048, modes: list[str]
             if speculative else None
         for twin in [None] + ([static] if static else []):
             llm = specdec.LLM(path, dtype="float32", max_model_len=model_len, max_num_seqs=max(batch, 1),
-                              num_kv_blocks=(batch + 1) * model_len // 16 + 8, speculative=spec)
+                              num_kv_blocks=(batch + 1) * model_len // 16 + 8, speculative=spec,
+                              prepack_weights=False if twin == "compile" else None)  # compile traces F.linear
             if twin is not None:
                 llm.engine.enable_static_forward(twin, block_buckets=POW2_WIDTHS)
             engines[name if twin is None else f"{name} [static {twin}]"] = llm.engine

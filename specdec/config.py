@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -10,8 +11,10 @@ import torch
 
 from specdec.cache.kv_pool import KVPool
 from specdec.model.config import ModelConfig, resolve_dtype
-from specdec.model.linear import check_prepack_option
+from specdec.model.linear import available_memory_bytes, check_prepack_option
 from specdec.model.loader import resolve_model_path
+
+logger = logging.getLogger(__name__)
 
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -85,7 +88,13 @@ class EngineConfig:
             min_blocks += 1  # the padding rows' scratch block of the CUDA graphs (engine/cuda_graphs.py)
         if num_kv_blocks is None:
             per_block = KVPool.bytes_per_block(model_config, block_size, torch_dtype)
-            num_kv_blocks = max(min_blocks, int(kv_cache_memory_gb * 2**30) // per_block)
+            pool_bytes = int(kv_cache_memory_gb * 2**30)
+            room = kv_pool_room(model_config, torch_dtype, dev)
+            if room < pool_bytes:
+                logger.warning("the KV pool is capped at %.2f GB (kv_cache_memory_gb=%s): half of the memory the "
+                               "weights leave available", room / 1e9, kv_cache_memory_gb)
+                pool_bytes = room
+            num_kv_blocks = max(min_blocks, pool_bytes // per_block)
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < min_blocks:
             raise ValueError(f"num_kv_blocks={num_kv_blocks!r} cannot hold one sequence of max_model_len="
                              f"{max_model_len}; need at least {min_blocks} blocks of {block_size}")
@@ -96,6 +105,17 @@ class EngineConfig:
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
                    num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching,
                    enforce_eager)
+
+
+def kv_pool_room(model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes the KV pool may take on CPU: half of what the memory available now (``MemAvailable``) leaves once the
+    weights are loaded (their bytes in ``dtype``), so that ``kv_cache_memory_gb`` never pushes a model that fits
+    into swap or the OOM killer. Unbounded on CUDA (the pool is sized in GiB there) or where it is not known."""
+    available = available_memory_bytes() if device.type == "cpu" else None
+    if available is None:
+        return 2**62
+    weights = model_config.num_params * torch.empty((), dtype=dtype).element_size()
+    return max(0, (available - weights) // 2)
 
 
 def eos_ids(path: str, config: ModelConfig) -> tuple[int, ...]:

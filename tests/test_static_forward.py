@@ -40,7 +40,7 @@ def tiny_path(tmp_path_factory):
 def tiny(tiny_path):
     path = tiny_path
     config = ModelConfig.from_json(path)
-    return load_model(path, torch.float32, torch.device("cpu"), 256, config), config
+    return load_model(path, torch.float32, torch.device("cpu"), 256, config, prepack_weights=False), config
 
 
 def new_pool(config, seed=0):

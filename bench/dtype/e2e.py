@@ -10,7 +10,8 @@ template). Variants:
 
   fp32      the target in float32 (``LLM(dtype="float32")``, packed linears where supported)
   bf16      the target in bfloat16 as the engine loads it now (prepacked linears, used from one row up)
-  bf16_old  the same bfloat16 model with its packed copies detached before each of its runs (bf16 "before")
+  bf16_old  the same bfloat16 model with its packed copies detached before each of its runs (bf16 "before");
+            with it in the run every model keeps its plain weights beside the packed copies (fp32 decodes by F.linear)
 
 Each variant has a plain engine and a ``SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=k)``
 engine (``--adaptive`` adds one with ``adaptive=True``) sharing the target's weights; all live in one process
@@ -44,7 +45,7 @@ from bench.common import (
     write_json,
 )
 from bench.e2e import reuse_target_weights
-from specdec.model.linear import Linear
+from specdec.model.linear import Linear, prepack_linears, prepack_supported
 from specdec.model.tokenizer import Tokenizer
 
 VARIANTS = ("fp32", "bf16", "bf16_old")
@@ -109,7 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     kw = dict(max_model_len=max_model_len, num_kv_blocks=max(args.batch) * (max_model_len // 16 + 1) + 2)
     if args.force_prepack:
         kw["prepack_weights"] = True
+    keep_plain = "bf16_old" in variants and not args.force_prepack
+    if keep_plain:  # bf16_old runs without packed copies, so the plain weights must stay (not the engine default)
+        kw["prepack_weights"] = False
     engines, models = build_engines(path, variants, modes, args.k, kw)
+    if keep_plain:
+        for v, model in models.items():
+            if v != "bf16_old" and prepack_supported(next(model.parameters()).dtype, torch.device("cpu")):
+                prepack_linears(model, required=True, release_weights=False)
     saved = {v: {m: (m.packed_weight, m.packed_bf16) for m in linears(models[v])} for v in variants}
     for v in variants:
         note = " (detached while it runs)" if v == "bf16_old" else ""

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from specdec.model.config import GGUF_CONVERSION_RECORD
 from specdec.model.gguf_tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_SHARD_BYTES = 2 * 1024**3
-CONVERSION_RECORD = "specdec_conversion.json"  # provenance of a converted directory (source file, hash, dtype)
+CONVERSION_RECORD = GGUF_CONVERSION_RECORD  # provenance of a converted directory (source file, hash, dtype)
 CONVERTER_VERSION = 1  # bump when the output of `convert_gguf` changes, so caches convert again
 
 _GGUF_MAGIC = b"GGUF"

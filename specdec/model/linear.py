@@ -19,8 +19,13 @@ packed bf16 copy costs 4.5-5.6 ms for 1 to 5 rows and is faster than ``F.linear`
 (``PREPACK_MIN_ROWS_BF16``). It is offered only on CPUs with native bf16 (avx512_bf16 or AMX): elsewhere oneDNN
 emulates bf16 and float32 is the fast dtype (see ``resolve_dtype``'s CPU policy).
 
-The packed copy doubles the memory of the linear weights; ``prepack_linears`` is therefore opt-out
-(``LLM(prepack_weights=False)``) and skipped when free memory is short. It is a plain attribute, not a
+The packed copy replaces the plain weight (``prepack(release_weight=True)``, what ``prepack_linears`` does): the
+``weight`` parameter becomes a ``meta`` tensor of the same shape and dtype and every row count goes through the
+packed copy, so a model's linears take their weights' bytes once (issue 19: a kept plain copy doubled them).
+The one exception is a weight shared with another module (an LM head tied to the embedding: the lookup needs the
+plain rows), which keeps both. The price is float32 decode: one row through the packed copy instead of
+``F.linear`` - measured in docs/benchmarks.md ("Footprint"). ``LLM(prepack_weights=False)`` keeps plain weights
+and ``F.linear`` (``torch.compile``'s static forward needs them). The packed copy is a plain attribute, not a
 parameter or buffer: it is not in ``state_dict`` and is never moved between devices (CPU only).
 """
 
@@ -41,31 +46,50 @@ _PACK_BATCH_HINT = 8  # the row count oneDNN tunes the packed layout for (measur
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` for 2-D inputs ``x: [M, in_features]`` that uses ``packed_weight`` when it is set and
-    ``M >= PREPACK_MIN_ROWS`` (float32) or ``M >= PREPACK_MIN_ROWS_BF16`` (bfloat16). Output
-    ``[M, out_features]`` in ``x``'s dtype either way; ``x`` must have the weight's dtype."""
+    """``nn.Linear`` for inputs ``x: [..., in_features]`` that uses ``packed_weight`` when it is set and either the
+    plain weight was released or ``x`` has ``>= PREPACK_MIN_ROWS`` rows (float32) / ``>= PREPACK_MIN_ROWS_BF16``
+    (bfloat16). Output ``[..., out_features]`` in ``x``'s dtype either way; ``x`` must have the weight's dtype."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN-layout copy of ``weight``, set by ``prepack()``
     packed_bf16: bool = False  # the packed copy is bfloat16: use it for every row count
+    weight_released: bool = False  # ``weight`` is a meta tensor: the packed copy is the only one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: under torch.compile the plain F.linear: Inductor lowers mkldnn._linear_pointwise only for weights
         # it packed itself (graph constants, "freezing"), so our packed copy fails to compile; with
         # ``options={"freezing": True}`` Inductor packs F.linear's weight the same way (specdec/runner/cuda_graphs.py).
-        if self.packed_weight is not None and not torch.compiler.is_compiling() and x.dim() == 2 and x.shape[0] >= (
-                PREPACK_MIN_ROWS_BF16 if self.packed_bf16 else PREPACK_MIN_ROWS):
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        if self.packed_weight is not None and not torch.compiler.is_compiling():
+            rows = x.shape[0] if x.dim() == 2 else None
+            if self.weight_released or (rows is not None and rows >= (
+                    PREPACK_MIN_ROWS_BF16 if self.packed_bf16 else PREPACK_MIN_ROWS)):
+                x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, in_features)
+                out = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight, self.bias, "none", [], "")
+                return out.view(*x.shape[:-1], self.out_features)
+        if self.weight_released:
+            raise RuntimeError("this Linear's plain weight was released for its prepacked copy, which torch.compile "
+                               "cannot trace; load the model with prepack_weights=False to compile it")
         return nn.functional.linear(x, self.weight, self.bias)
 
-    def prepack(self) -> None:
-        """Build the packed copy from the current ``weight`` (call again after changing the weight)."""
+    def prepack(self, release_weight: bool = False) -> None:
+        """Build the packed copy from the current ``weight`` (call again after changing the weight).
+        ``release_weight``: replace ``weight`` by a ``meta`` tensor of its shape and dtype, so the packed copy is
+        the only one held (it is then used for every row count and ``unpack`` is refused)."""
+        if self.weight_released:
+            raise ValueError("prepack() after the plain weight was released: there is no weight to pack again")
         weight = self.weight.detach()
         if weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"prepack supports float32 and bfloat16 weights, not {weight.dtype}")
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         self.packed_bf16 = weight.dtype == torch.bfloat16
+        if release_weight:
+            self.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+            self.weight_released = True
 
     def unpack(self) -> None:
+        """Drop the packed copy and go back to ``F.linear`` (``ValueError`` if the plain weight was released)."""
+        if self.weight_released:
+            raise ValueError("unpack() after the plain weight was released for the packed copy; load the model with "
+                             "prepack_weights=False to keep plain weights")
         self.packed_weight = None
         self.packed_bf16 = False
 
@@ -107,7 +131,7 @@ def check_prepack_option(prepack_weights: object, dtype: torch.dtype, device: to
                          f"a torch with oneDNN; got {dtype} on {device} (use None for 'where supported', or False)")
 
 
-def _available_memory_bytes() -> int | None:
+def available_memory_bytes() -> int | None:
     """MemAvailable (free + reclaimable page cache, e.g. the safetensors just read), else free pages."""
     try:
         with open("/proc/meminfo") as f:
@@ -122,20 +146,30 @@ def _available_memory_bytes() -> int | None:
         return None
 
 
-def prepack_linears(model: nn.Module, required: bool = False) -> int:
-    """Prepack every ``Linear`` of ``model``; returns the bytes added (0 when skipped).
+def prepack_linears(model: nn.Module, required: bool = False, release_weights: bool = True) -> int:
+    """Prepack every ``Linear`` of ``model``; returns the bytes the packed copies add to what the model holds.
 
-    ``required=False`` (the "auto" setting) skips, with a warning, when the copies would take more than half of
-    the available memory (``MemAvailable``); ``required=True`` packs regardless.
+    ``release_weights`` (the default): each packed copy replaces its plain weight (``Linear.prepack``), one linear
+    at a time, so packing adds nothing beyond the largest weight while it runs - except for a weight shared with
+    another module (a tied LM head), which keeps its plain rows and adds a copy. ``release_weights=False`` keeps
+    every plain weight (the copies double the linears' bytes); then ``required=False`` (the "auto" setting) skips,
+    with a warning, when the copies would take more than half of the available memory (``MemAvailable``), and
+    ``required=True`` packs regardless.
     """
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    available = _available_memory_bytes()
-    if not required and available is not None and 2 * nbytes > available:
+    holders: dict[int, int] = {}  # id(parameter) -> how many modules hold it directly
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    shared = [m for m in linears if holders.get(id(m.weight), 0) > 1]
+    kept = linears if not release_weights else shared
+    added = sum(m.weight.numel() * m.weight.element_size() for m in kept)
+    available = available_memory_bytes()
+    if not release_weights and not required and available is not None and 2 * added > available:
         logger.warning("not prepacking linear weights (LLM(prepack_weights=None)): the copies would take %.1f GB "
                        "of %.1f GB available; verification windows will be slower on this CPU",
-                       nbytes / 1e9, available / 1e9)
+                       added / 1e9, available / 1e9)
         return 0
     for m in linears:
-        m.prepack()
-    return nbytes
+        m.prepack(release_weight=release_weights and not any(m is k for k in shared))
+    return added

@@ -21,6 +21,7 @@ from specdec import ops
 from specdec.model.config import ModelConfig
 from specdec.model.linear import Linear
 from specdec.model.rope import RotaryEmbedding
+from specdec.model.safetensors_reader import TensorEntry
 
 
 @dataclass
@@ -246,28 +247,33 @@ class LlamaForCausalLM(nn.Module):
             _capture_layer(x, len(self.layers), *capture)
         return x  # (T, hidden), before the final norm
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors, fusing q/k/v and gate/up; raise ``ValueError`` on missing/unknown/mis-shaped ones."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | TensorEntry]]) -> None:
+        """Load HF-named tensors (in memory, or ``TensorEntry``s read straight into place), each q/k/v and gate/up
+        part written into its rows of the fused parameter (no concatenated copy); ``ValueError`` on missing,
+        unknown or mis-shaped ones."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        fused_parts: dict[str, dict[int, torch.Tensor]] = {}
-        for hf_name, tensor in weights:
+        fused_parts: dict[str, set[int]] = {}
+        for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             for fragment, (fused, shard) in self._FUSED.items():
                 if f".{fragment}." in name:
                     fused_name = name.replace(fragment, fused)
-                    fused_parts.setdefault(fused_name, {})[shard] = tensor
+                    start, rows = self._fused_rows(fused, shard)
+                    _write(_param(params, fused_name, hf_name).data[start : start + rows], source, hf_name)
+                    fused_parts.setdefault(fused_name, set()).add(shard)
                     break
             else:
-                self._copy(params, name, tensor, hf_name)
+                if name == "lm_head.weight" and name not in params:
+                    continue
+                _write(_param(params, name, hf_name).data, source, hf_name)
                 loaded.add(name)
         for fused_name, parts in fused_parts.items():
             expected = 3 if "qkv" in fused_name else 2
             if len(parts) != expected:
                 raise ValueError(f"checkpoint has only {len(parts)} of the {expected} tensors fused into {fused_name}")
-            self._copy(params, fused_name, torch.cat([parts[i] for i in range(expected)], dim=0), fused_name)
             loaded.add(fused_name)
         if self.config.tie_word_embeddings:
             loaded.add("lm_head.weight")
@@ -275,15 +281,28 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
-    @staticmethod
-    def _copy(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, source: str) -> None:
-        if name == "lm_head.weight" and name not in params:
-            return
-        param = params.get(name)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {source!r} does not belong to this architecture")
-        if param.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
-                             f"expected {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
+    def _fused_rows(self, fused: str, shard: int) -> tuple[int, int]:
+        """(first row, rows) of part ``shard`` in the fused parameter ``fused`` ("qkv_proj" or "gate_up_proj")."""
+        c = self.config
+        if fused == "qkv_proj":
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            return ((0, q), (q, kv), (q + kv, kv))[shard]
+        return shard * c.intermediate_size, c.intermediate_size
+
+
+def _param(params: dict[str, nn.Parameter], name: str, source: str) -> nn.Parameter:
+    param = params.get(name)
+    if param is None:
+        raise ValueError(f"checkpoint tensor {source!r} does not belong to this architecture")
+    return param
+
+
+def _write(dest: torch.Tensor, source: torch.Tensor | TensorEntry, name: str) -> None:
+    """Fill ``dest`` (a parameter's data, or rows of it) with ``source``, converted to ``dest``'s dtype."""
+    if tuple(source.shape) != tuple(dest.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        if isinstance(source, torch.Tensor):
+            dest.copy_(source)
+        else:
+            source.read_into(dest)

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from specdec.model.config import ModelConfig
 from specdec.model.linear import check_prepack_option, prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
+from specdec.model.safetensors_reader import TensorEntry, read_header
 
 HUB_FILES = [
     "config.json",
@@ -93,17 +94,18 @@ def safetensors_files(path: str) -> list[str]:
     return full
 
 
-def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError, safe_open
-
+def iter_weight_entries(path: str) -> Iterator[tuple[str, TensorEntry]]:
+    """Every tensor of the model folder ``path``, as a ``TensorEntry`` (read on demand, straight into place)."""
     files = safetensors_files(path)
     for file in tqdm(files, desc="loading weights", disable=len(files) < 2):
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"weight file {file} is corrupt or unreadable: {e}") from e
+        for entry in read_header(file):
+            yield entry.name, entry
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the model folder ``path``, read into memory one at a time (stored dtype, CPU)."""
+    for name, entry in iter_weight_entries(path):
+        yield name, entry.read()
 
 
 def load_model(
@@ -112,19 +114,22 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed).
 
-    ``prepack_weights``: keep a oneDNN-prepacked copy of every linear weight for inputs of 4+ rows (see
-    ``specdec/model/linear.py``). None = where supported (CPU, float32) and free memory allows; True = always
-    (``ValueError`` where unsupported); False = never.
+    The parameters are allocated once, in ``dtype`` on ``device``, and every tensor is read from its file
+    straight into them (``specdec/model/safetensors_reader.py``): no full-precision copy of the model and no
+    mapped file is ever held, so loading peaks at the model's running size plus one read chunk.
+    ``prepack_weights``: replace every linear weight by its oneDNN-prepacked copy (``specdec/model/linear.py``).
+    None = where supported (CPU, float32, or bfloat16 with native bf16); True = always (``ValueError`` where
+    unsupported); False = never (plain weights and ``F.linear``).
     """
     check_prepack_option(prepack_weights, dtype, torch.device(device))
     config = config or ModelConfig.from_json(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # meta -> meta in dtype (free), then one allocation
     model.rope.reset(device)  # cos/sin tables are computed, not loaded; keep them fp32
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(iter_weights(path))
+    model.load_weights(iter_weight_entries(path))
     if prepack_weights is not False and prepack_supported(dtype, torch.device(device)):
         prepack_linears(model, required=prepack_weights is True)
     return model.eval()

@@ -61,6 +61,9 @@ class ModelRunner:
         included; ``max_batch``: the most sequences in one forward (batch buckets: powers of two below it, and it);
         ``block_buckets``: block-table widths (those below the widest, and the widest; None: the widest only).
         """
+        if mode == "compile" and any(getattr(m, "weight_released", False) for m in self.model.modules()):
+            raise ValueError("the static forward in mode 'compile' needs plain linear weights, and this model's were "
+                             "released for their prepacked copies; load it with prepack_weights=False")
         bm = self.block_manager
         # a second call replaces the runner and keeps the scratch block (the engine makes the first one on CUDA)
         if self.scratch_block is None:

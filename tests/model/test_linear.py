@@ -47,17 +47,49 @@ def test_prepack_follows_a_weight_change_only_when_asked():
 
 def test_prepack_linears_counts_bytes_and_covers_every_linear():
     model = torch.nn.Sequential(Linear(8, 16), torch.nn.ReLU(), Linear(16, 4, bias=False))
-    assert prepack_linears(model, required=True) == (8 * 16 + 16 * 4) * 4
-    assert all(m.packed_weight is not None for m in model if isinstance(m, Linear))
+    assert prepack_linears(model, required=True, release_weights=False) == (8 * 16 + 16 * 4) * 4
+    assert all(m.packed_weight is not None and not m.weight_released for m in model if isinstance(m, Linear))
+
+
+def test_released_weights_leave_one_copy_and_the_same_outputs_for_every_row_count():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(24, 40), torch.nn.ReLU(), Linear(40, 8, bias=False))
+    xs = [torch.randn(rows, 24) for rows in (1, 2, 5)] + [torch.randn(2, 3, 24)]
+    expected = [model(x) for x in xs]
+    assert prepack_linears(model) == 0  # released: the packed copies replace the plain weights
+    for m in (model[0], model[2]):
+        assert m.weight_released and m.weight.is_meta and m.packed_weight is not None
+        assert m.weight.shape == (m.out_features, m.in_features) and m.weight.dtype == torch.float32
+    for x, want in zip(xs, expected):
+        torch.testing.assert_close(model(x), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="released"):
+        model[0].unpack()
+    with pytest.raises(ValueError, match="released"):
+        model[0].prepack()
+
+
+def test_a_weight_shared_with_another_module_keeps_its_plain_rows():
+    embedding = torch.nn.Embedding(50, 16)
+    head = Linear(16, 50, bias=False)
+    head.weight = embedding.weight  # a tied LM head
+    model = torch.nn.ModuleDict({"embed": embedding, "head": head, "other": Linear(16, 16)})
+    assert prepack_linears(model) == 50 * 16 * 4  # the tied head's packed copy is the only extra
+    assert not head.weight_released and head.weight is embedding.weight and head.packed_weight is not None
+    assert model["other"].weight_released
+    ids = torch.tensor([3, 7])
+    torch.testing.assert_close(head(embedding(ids)), embedding(ids) @ embedding.weight.T, atol=1e-5, rtol=1e-5)
 
 
 def test_auto_prepack_skips_when_memory_is_short_and_required_does_not(monkeypatch):
     import specdec.model.linear as linear
 
-    monkeypatch.setattr(linear, "_available_memory_bytes", lambda: 1000)  # bytes: far less than 2 x the copies
+    monkeypatch.setattr(linear, "available_memory_bytes", lambda: 1000)  # bytes: far less than 2 x the copies
     model = torch.nn.Sequential(Linear(32, 32))
-    assert prepack_linears(model) == 0 and model[0].packed_weight is None
-    assert prepack_linears(model, required=True) == 32 * 32 * 4 and model[0].packed_weight is not None
+    assert prepack_linears(model, release_weights=False) == 0 and model[0].packed_weight is None
+    assert prepack_linears(model, required=True, release_weights=False) == 32 * 32 * 4
+    assert model[0].packed_weight is not None
+    fresh = torch.nn.Sequential(Linear(32, 32))  # releasing adds nothing, so short memory does not stop it
+    assert prepack_linears(fresh) == 0 and fresh[0].packed_weight is not None
 
 
 @pytest.mark.parametrize("setting", [None, False])
