@@ -19,7 +19,7 @@ from torch import nn
 
 from specdec import ops
 from specdec.model.config import ModelConfig
-from specdec.model.linear import Linear
+from specdec.model.linear import Linear, dynamo_tracing
 from specdec.model.rope import RotaryEmbedding
 from specdec.model.safetensors_reader import TensorEntry
 
@@ -109,7 +109,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         q, k = self.rope(q, k, positions)
         # Write the new K/V into their slots, then attend over each sequence's whole context.
-        if torch.compiler.is_compiling():
+        if dynamo_tracing():
             # NOTE: an opaque in-place op under torch.compile: traced as plain indexing, the write to a view of the
             # pool is functionalised into a copy of the whole pool per layer (a tiny llama's compiled decode went
             # from 1.1 ms to 260 ms with a 20000-block pool); the custom op is re-inplaced by Inductor.
