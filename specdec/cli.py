@@ -150,8 +150,9 @@ def _convert_parser(conv: argparse.ArgumentParser) -> None:
 def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--speculative-method", default=None,
-                       help="draft_model | ngram | prompt_lookup | combined (default: plain decoding)")
-    group.add_argument("--draft-model", default=None, help="draft model for draft_model / combined")
+                       help="draft_model | ngram | prompt_lookup | combined | eagle3 (default: plain decoding)")
+    group.add_argument("--draft-model", default=None,
+                       help="draft model for draft_model / combined; the EAGLE-3 head for eagle3")
     group.add_argument("--num-speculative-tokens", type=int, default=_speculative_default("num_speculative_tokens"),
                        help="k, the most tokens drafted per round")
     group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
@@ -215,7 +216,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """The ``SpeculativeConfig`` from parsed arguments; None (plain decoding) without --speculative-method."""
     if args.speculative_method is None:
         if args.draft_model is not None:
-            raise ValueError("--draft-model needs --speculative-method draft_model or combined")
+            raise ValueError("--draft-model needs --speculative-method draft_model, combined or eagle3")
         return None
     return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
                              num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,

@@ -151,7 +151,7 @@ def parse_tree(text: str | None) -> list[int] | str | None:
                          ) from None
 
 
-SPECULATIVE_METHODS = ("draft_model", "ngram", "prompt_lookup", "combined")
+SPECULATIVE_METHODS = ("draft_model", "ngram", "prompt_lookup", "combined", "eagle3")
 MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram")
 VERIFY_METHODS = ("token", "block")
 TREE_POLICIES = ("measured", "always")
@@ -164,9 +164,11 @@ class SpeculativeConfig:
     Args:
         method: "draft_model" (a smaller model of the same tokenizer drafts), "ngram" (frequency tables of the
             request's own tokens), "prompt_lookup" (copy what followed the latest earlier match of the text's
-            suffix; vLLM calls this "ngram"), or "combined" (a model-free match when there is one, else the draft
-            model).
-        draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined").
+            suffix; vLLM calls this "ngram"), "combined" (a model-free match when there is one, else the draft
+            model), or "eagle3" (an EAGLE-3 head drafts from the target's own hidden states; docs/architecture.md,
+            "EAGLE-3 heads").
+        draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined"), or the EAGLE-3
+            head's folder / hub id in the published ``LlamaForCausalLMEagle3`` layout (method "eagle3").
         num_speculative_tokens: k, the most tokens drafted per round (>= 1).
         draft_dtype: the draft's dtype; None = the target's. Losslessness does not depend on it: the accept test
             uses exactly the q the draft sampled from.
@@ -222,9 +224,10 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
-        uses_model = self.method in ("draft_model", "combined")
+        uses_model = self.method in ("draft_model", "combined", "eagle3")
         if uses_model and not self.draft_model:
-            raise ValueError(f"method {self.method!r} needs draft_model (a folder, .gguf file or hub repo id)")
+            raise ValueError(f"method {self.method!r} needs draft_model (a folder, .gguf file or hub repo id"
+                             f"{'; for eagle3 the head' if self.method == 'eagle3' else ''})")
         if not uses_model and self.draft_model:
             raise ValueError(f"method {self.method!r} uses no draft model; drop draft_model or use 'combined'")
         if not 2 <= self.ngram_min_order <= self.ngram_max_order:
@@ -286,4 +289,16 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
+        """A standalone draft model drafts (methods "draft_model" and "combined")."""
         return self.method in ("draft_model", "combined")
+
+    @property
+    def drafts_with_a_model(self) -> bool:
+        """Drafting runs a model forward: a draft model or an EAGLE-3 head (not a model-free lookup)."""
+        return self.uses_draft_model or self.method == "eagle3"
+
+    @property
+    def reads_target_hidden_states(self) -> bool:
+        """The proposer is fed the target's hidden states (EAGLE-3): the target's forward captures them and
+        its prefix cache is off (a cached prefix has no hidden states to feed the head)."""
+        return self.method == "eagle3"

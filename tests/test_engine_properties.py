@@ -7,6 +7,9 @@ or cached and evictable - exactly one; every running request's computed KV lengt
 its reserved slots (and the draft's view of its cache never runs ahead of the target's), every request ends
 exactly once, only poisoned requests end in "error", and the run terminates with every block back in the pool.
 Greedy requests that completed give the tokens of the same request decoded alone without the cache.
+
+Three engines: plain, a draft model, and an EAGLE-3 head (whose hidden states handed over by the target must never
+outlive their request nor run beyond its committed KV; it runs without the prefix cache).
 """
 
 from __future__ import annotations
@@ -47,22 +50,45 @@ def _check(engine) -> None:
         assert len(seq.output_token_ids) < seq.params.max_tokens
     for seq in waiting.values():
         assert seq.num_computed == 0
-    drafter = getattr(engine.speculative, "drafter", None) if engine.speculative else None
-    kv_len = getattr(getattr(drafter, "draft_model", drafter), "kv_len", None)
+    proposer = engine.speculative.proposer if engine.speculative else None
+    kv_len = getattr(getattr(proposer, "draft_model", proposer), "kv_len", None)
     if kv_len is not None:
         for seq_id, n in kv_len.items():
             if seq_id in running:
                 assert n <= running[seq_id].num_computed, "the draft cache runs ahead of the target's"
+    pending = getattr(proposer, "pending", None)  # an EAGLE-3 head's handed-over hidden states
+    if pending is not None:
+        assert set(pending) <= set(running), "hidden states kept for a request that is not running"
+        for seq_id, rows in pending.items():
+            assert all(start + t.shape[0] <= running[seq_id].num_computed for start, t in rows), \
+                "hidden states kept beyond the committed KV"
     unfinished = {s.request_id for s in [*running.values(), *waiting.values()]}
     assert set(engine._requests) == unfinished
 
 
-@pytest.mark.parametrize("mode", ["plain", "speculative"])
-def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypatch):
+@pytest.fixture(scope="module")
+def eagle_head(tiny_pair, tmp_path_factory) -> str:
+    """An EAGLE-3 head for ``tiny_pair``'s two-layer target (fed its embeddings and both layers' outputs)."""
+    from tiny_models import make_tiny_eagle3_head
+
+    path = str(tmp_path_factory.mktemp("properties_eagle3"))
+    make_tiny_eagle3_head(path, tiny_pair[0], seed=6, aux_layer_ids=[0, 1, 2], draft_ids=list(range(0, 300, 2)))
+    return path
+
+
+def _speculative_config(mode: str, draft: str, eagle_head: str) -> specdec.SpeculativeConfig | None:
+    if mode == "speculative":
+        return specdec.SpeculativeConfig(method="draft_model", draft_model=draft, num_speculative_tokens=3)
+    if mode == "eagle3":
+        return specdec.SpeculativeConfig(method="eagle3", draft_model=eagle_head, num_speculative_tokens=3)
+    return None
+
+
+@pytest.mark.parametrize("mode", ["plain", "speculative", "eagle3"])
+def test_random_operations_keep_the_engine_consistent(tiny_pair, eagle_head, mode, monkeypatch):
     target, draft = tiny_pair
-    rng = random.Random(20261122 + (mode == "speculative"))
-    speculative = (specdec.SpeculativeConfig(method="draft_model", draft_model=draft, num_speculative_tokens=3)
-                   if mode == "speculative" else None)
+    rng = random.Random(20261122 + (mode != "plain"))
+    speculative = _speculative_config(mode, draft, eagle_head)
     # a pool just above one full-length sequence: admission waits and preemption are frequent
     llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=48, num_kv_blocks=20, max_num_seqs=6,
                       max_num_batched_tokens=20, speculative=speculative)
@@ -74,15 +100,17 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypat
         plan = poisoned.get(seq.request_id)
         return plan is not None and plan[0] == stage and len(seq.output_token_ids) >= plan[1]
 
-    forward = engine.runner.forward
+    # the target forward the step runs: an EAGLE-3 engine's captures the head's hidden states
+    forward_name = "forward_with_aux_hidden" if mode == "eagle3" else "forward"
+    forward = getattr(engine.runner, forward_name)
     by_id = lambda seq_id: next((s for s in engine.scheduler.running if s.seq_id == seq_id), None)  # noqa: E731
 
-    def faulty_forward(items, input_ids=None):  # input_ids: a round's drafts on the device
+    def faulty_forward(items, *args, **kwargs):  # a round's drafts on the device, the layers to capture
         if any((s := by_id(it.seq_id)) is not None and is_poisoned(s, "forward") for it in items):
             raise Poison("poisoned forward")
-        return forward(items, input_ids=input_ids)
+        return forward(items, *args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "forward", faulty_forward)
+    monkeypatch.setattr(engine.runner, forward_name, faulty_forward)
     if engine.speculative is not None:
         propose = engine.speculative.proposer.propose
 
@@ -155,7 +183,11 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, mode, monkeypat
     assert reasons.count("error") >= 3 and reasons.count("abort") >= 3
     assert len(added) >= 300 and preemptions[0] >= 3
     stats = engine.stats
-    assert stats["prefix_cache_hits"] >= 100 and stats["prefix_cache_evicted_blocks"] >= 10, stats
+    if mode == "eagle3":  # no prefix cache: the head needs the target's hidden states of every token
+        assert engine.block_manager.prefix_cache is None
+        assert engine.speculative.proposer.runner.num_forwards > 100  # the head drafted
+    else:
+        assert stats["prefix_cache_hits"] >= 100 and stats["prefix_cache_evicted_blocks"] >= 10, stats
     # completed greedy requests (a sample) have the tokens of an uncached, unbatched, unfaulted run
     reference = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=48, enable_prefix_caching=False)
     checked = sorted(finished_greedy, key=int)[:: max(1, len(finished_greedy) // 25)]

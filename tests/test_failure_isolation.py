@@ -4,7 +4,7 @@ For a batch of 4, one request is made to fail inside one stage of a step (drafti
 target forward, its NaN logits row, sampling, verification, the rollback, detokenisation). The other three must
 produce exactly the tokens of an unfaulted run, the failed one ends with finish_reason "error" and a message,
 no block is leaked in either pool, and the engine serves new requests afterwards. Plain and speculative, greedy
-and sampled.
+and sampled; the speculative stages with a draft model and with an EAGLE-3 head.
 
 The faults are injected at names that exist in the engine before and after the failure-isolation rework
 (runner.forward, proposer.propose, plain_step.sample_next_tokens, spec_decode.decoder.verify_round, truncate_to,
@@ -40,13 +40,25 @@ def _params(sampled: bool) -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_pair):
+def engines(tiny_pair, tmp_path_factory):
+    from tiny_models import make_tiny_eagle3_head
+
     target, draft = tiny_pair
+    head = str(tmp_path_factory.mktemp("isolation_eagle3"))
+    make_tiny_eagle3_head(head, target, seed=6, aux_layer_ids=[0, 1, 2], draft_ids=list(range(0, 300, 2)))
     plain = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64)
     spec = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64,
                        speculative=specdec.SpeculativeConfig(method="draft_model", draft_model=draft,
                                                              num_speculative_tokens=3))
-    return {"plain": plain.engine, "speculative": spec.engine}
+    eagle = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64,
+                        speculative=specdec.SpeculativeConfig(method="eagle3", draft_model=head,
+                                                              num_speculative_tokens=3))
+    return {"plain": plain.engine, "speculative": spec.engine, "eagle3": eagle.engine}
+
+
+def _target_forward_name(engine) -> str:
+    """The runner method the step's target forward is: an EAGLE-3 engine's captures the head's hidden states."""
+    return "forward_with_aux_hidden" if engine.speculative and engine.speculative.aux_hidden_layers else "forward"
 
 
 def _pools(engine):
@@ -87,14 +99,16 @@ def _inject(monkeypatch, engine, stage: str) -> None:
         return next((s for s in engine.scheduler.running if s.seq_id == seq_id), None)
 
     if stage in ("forward", "nan_logits"):
-        forward = engine.runner.forward
+        name = _target_forward_name(engine)
+        forward = getattr(engine.runner, name)
 
-        def faulty_forward(items, input_ids=None):  # input_ids: a round's drafts on the device
+        def faulty_forward(items, *args, **kwargs):  # a round's drafts on the device, the layers to capture
             seqs = [seq_of(it.seq_id) for it in items]
             hit = [s is not None and _is_victim(s) for s in seqs]
             if stage == "forward" and any(hit):
                 raise InjectedFault("target forward failed for the victim")
-            logits = forward(items, input_ids=input_ids)
+            out = forward(items, *args, **kwargs)
+            logits = out[0] if isinstance(out, tuple) else out
             if any(hit):  # NaN in every logits row of the victim
                 row, rows = 0, []
                 for it, h in zip(items, hit):
@@ -102,9 +116,22 @@ def _inject(monkeypatch, engine, stage: str) -> None:
                     row += it.num_logits
                 logits = logits.clone()
                 logits[rows] = float("nan")
+            return (logits, *out[1:]) if isinstance(out, tuple) else logits
+
+        monkeypatch.setattr(engine.runner, name, faulty_forward)
+    elif stage == "draft_nan_logits" and engine.speculative.aux_hidden_layers:  # an EAGLE-3 head's forward
+        proposer = engine.speculative.proposer
+        head_forward = proposer._forward
+
+        def nan_head_forward(items, hidden, input_ids=None):
+            logits = head_forward(items, hidden, input_ids)
+            rows = [r for r, it in enumerate(items) if (s := seq_of(it.seq_id)) is not None and _is_victim(s)]
+            if rows:  # chains: one logits row per item
+                logits = logits.clone()
+                logits[rows] = float("nan")
             return logits
 
-        monkeypatch.setattr(engine.runner, "forward", faulty_forward)
+        monkeypatch.setattr(proposer, "_forward", nan_head_forward)
     elif stage == "draft_nan_logits":
         drafter = engine.speculative.proposer
         draft_forward = drafter.runner.forward
@@ -177,10 +204,11 @@ def _inject(monkeypatch, engine, stage: str) -> None:
         raise AssertionError(stage)
 
 
+SPECULATIVE_STAGES = ("draft", "draft_nan_logits", "forward", "nan_logits", "verify", "rollback", "detokenize")
 CASES = (
     [("plain", stage) for stage in ("forward", "nan_logits", "sample", "detokenize")]
-    + [("speculative", stage) for stage in ("draft", "draft_nan_logits", "forward", "nan_logits", "verify", "rollback",
-                                            "detokenize")]
+    + [("speculative", stage) for stage in SPECULATIVE_STAGES]
+    + [("eagle3", stage) for stage in SPECULATIVE_STAGES]
 )
 
 
@@ -212,14 +240,14 @@ def test_a_fault_in_one_request_leaves_the_others_untouched(engines, monkeypatch
     _assert_pools_whole(engine)
 
 
-@pytest.mark.parametrize("mode", ["plain", "speculative"])
+@pytest.mark.parametrize("mode", ["plain", "speculative", "eagle3"])
 def test_a_forward_that_always_fails_ends_the_requests_of_that_step_cleanly(engines, monkeypatch, mode):
     engine = engines[mode]
     with monkeypatch.context() as patch:
-        def broken(items, input_ids=None):
+        def broken(items, *args, **kwargs):
             raise InjectedFault("the device is gone")
 
-        patch.setattr(engine.runner, "forward", broken)
+        patch.setattr(engine.runner, _target_forward_name(engine), broken)
         outs = _run(engine, sampled=False)
     assert all(o.outputs[0].finish_reason == "error" and "the device is gone" in o.error for o in outs.values())
     _assert_pools_whole(engine)
@@ -227,21 +255,22 @@ def test_a_forward_that_always_fails_ends_the_requests_of_that_step_cleanly(engi
     assert all(o.outputs[0].finish_reason == "length" for o in clean.values())
 
 
-@pytest.mark.parametrize("mode", ["plain", "speculative"])
+@pytest.mark.parametrize("mode", ["plain", "speculative", "eagle3"])
 def test_a_transient_forward_failure_is_retried_and_fails_nobody(engines, monkeypatch, mode):
     engine = engines[mode]
     clean = _run(engine, sampled=True)
-    forward = engine.runner.forward
+    name = _target_forward_name(engine)
+    forward = getattr(engine.runner, name)
     calls = {"n": 0}
 
-    def flaky(items, input_ids=None):
+    def flaky(items, *args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise InjectedFault("one bad forward")
-        return forward(items, input_ids=input_ids)
+        return forward(items, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine.runner, "forward", flaky)
+        patch.setattr(engine.runner, name, flaky)
         outs = _run(engine, sampled=True)
     assert calls["n"] > 3
     assert [o.outputs[0].token_ids for o in outs.values()] == [o.outputs[0].token_ids for o in clean.values()]

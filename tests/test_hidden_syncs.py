@@ -12,7 +12,8 @@ cannot see them:
 Every index and every small tensor a step sends to the device must go through ``specdec.device.to_device``
 (pinned memory, non-blocking) or the runner's staging buffer. This test runs whole engine steps - plain, chains
 greedy and sampled, block verification, static and dynamic trees, a model-free proposer, a combined proposer,
-penalties, logprobs, a prefill admitted beside verification rounds - under a ``TorchFunctionMode`` that records
+penalties, logprobs, a prefill admitted beside verification rounds, EAGLE-3 chains and trees (the target's hidden
+states captured and handed over) - under a ``TorchFunctionMode`` that records
 each such construct made by ``specdec/`` code outside ``specdec/device.py`` (the torch references of
 ``kernels/`` are CPU-only code and are left out: on CUDA the kernels run instead).
 
@@ -96,9 +97,23 @@ PENALISED = SamplingParams(temperature=0.7, repetition_penalty=1.2, frequency_pe
                            ignore_eos=True, seed=6, logprobs=2)
 
 
-def _configs(draft: str) -> dict[str, SpeculativeConfig | None]:
+@pytest.fixture(scope="module")
+def eagle_head(tiny_pair, tmp_path_factory) -> str:
+    """An EAGLE-3 head (a smaller draft vocabulary) for ``tiny_pair``'s two-layer target."""
+    from tiny_models import make_tiny_eagle3_head
+
+    path = str(tmp_path_factory.mktemp("syncs_eagle3"))
+    make_tiny_eagle3_head(path, tiny_pair[0], seed=6, aux_layer_ids=[0, 1, 2], draft_ids=list(range(0, 300, 2)))
+    return path
+
+
+def _configs(draft: str, eagle_head: str) -> dict[str, SpeculativeConfig | None]:
     model = dict(method="draft_model", draft_model=draft, num_speculative_tokens=3)
+    eagle = dict(method="eagle3", draft_model=eagle_head, num_speculative_tokens=3)
     return {
+        "eagle3_chain": SpeculativeConfig(**eagle),
+        "eagle3_tree_static": SpeculativeConfig(**eagle, tree_policy="always", tree=[2, 1, 1]),
+        "eagle3_tree_dynamic": SpeculativeConfig(**eagle, tree_policy="always", tree="dynamic", tree_budget=6),
         "plain": None,
         "chain": SpeculativeConfig(**model),
         "chain_block": SpeculativeConfig(**model, verify="block"),
@@ -112,11 +127,11 @@ def _configs(draft: str) -> dict[str, SpeculativeConfig | None]:
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED, PENALISED], ids=["greedy", "sampled", "penalties_logprobs"])
 @pytest.mark.parametrize("mode", ["plain", "chain", "chain_block", "tree_static", "tree_dynamic", "prompt_lookup",
-                                  "combined"])
-def test_engine_steps_make_no_hidden_sync(tiny_pair, mode, params):
+                                  "combined", "eagle3_chain", "eagle3_tree_static", "eagle3_tree_dynamic"])
+def test_engine_steps_make_no_hidden_sync(tiny_pair, eagle_head, mode, params):
     target, draft = tiny_pair
     llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4, num_kv_blocks=200,
-                      speculative=_configs(draft)[mode])
+                      speculative=_configs(draft, eagle_head)[mode])
     engine = llm.engine
     for i in range(3):
         engine.add_request(prompt_token_ids=[5 + i, 6, 7, 8, 5 + i, 6, 7], params=params)

@@ -157,6 +157,28 @@ def test_a_combined_round_mixing_lookup_and_model_drafts_reads_once(tiny_pair, m
     assert reads[1]["engine"] == reads[8]["engine"] == ENGINE_BUDGET["speculative"], reads
 
 
+@pytest.mark.parametrize("tree", [None, "dynamic"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_an_eagle3_round_reads_as_a_draft_models_whatever_the_batch(tiny_pair, tmp_path, monkeypatch, temperature,
+                                                                    tree):
+    """An EAGLE-3 head's chain round keeps its drafts on the device like a draft model's, and the target's hidden
+    states go from the forward to the head without a read: one read per chain round, 2k + 1 per tree round."""
+    from tiny_models import make_tiny_eagle3_head
+
+    target, _ = tiny_pair
+    head = str(tmp_path / "head")
+    make_tiny_eagle3_head(head, target, seed=6, aux_layer_ids=[0, 1, 2], draft_ids=list(range(0, 300, 2)))
+    spec = specdec.SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=K, tree=tree,
+                                     tree_policy="always")
+    params = SamplingParams(temperature=temperature, max_tokens=60, ignore_eos=True, seed=3)
+    reads = {}
+    for batch in (1, 4):
+        reads[batch], drafted = _reads_at_batch(target, batch, spec, params, monkeypatch)
+        assert tree is not None or drafted == [K] * batch, drafted
+    expected = ENGINE_BUDGET["speculative"] if tree is None else 2 * K + 1
+    assert reads[1]["engine"] == reads[4]["engine"] == expected, reads
+
+
 @pytest.mark.parametrize("feature", ["penalties", "tree", "logprobs"])
 def test_the_documented_exceptions_read_a_fixed_number_whatever_the_batch(tiny_pair, monkeypatch, feature):
     """Penalties: the drafts so far on the host at every draft step, then the verification read (k + 1). A

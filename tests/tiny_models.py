@@ -55,12 +55,16 @@ def make_tiny_model(
     perturb_from: str | None = None,
     perturb_scale: float = 0.0,
     lm_head_std: float = 0.5,
+    layer_output_scale: float = 1.0,
 ):
     """Write a random tiny checkpoint to ``path`` and return the transformers model (fp32, eval).
 
     ``dialect``: "hub" writes rope_theta/rope_scaling/torch_dtype; "v5" writes rope_parameters/dtype.
     ``perturb_from``: copy weights from that folder's model and add Gaussian noise (a draft that mostly agrees).
     ``lm_head_std``: std of the output projection (smaller = flatter next-token distributions).
+    ``layer_output_scale``: scales every layer's o_proj and down_proj (below 1 the residual stream stays close to
+    the token's embedding: the next token is mostly a function of the last one, which a tiny EAGLE-3 head built by
+    ``make_tiny_eagle3_head`` can predict).
     """
     import transformers
 
@@ -86,6 +90,10 @@ def make_tiny_model(
             gen = torch.Generator().manual_seed(seed + 1)
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=gen) * perturb_scale * p.std().clamp(min=1e-3))
+        if layer_output_scale != 1.0:
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(layer_output_scale)
+                layer.mlp.down_proj.weight.mul_(layer_output_scale)
     model.save_pretrained(path)
     _rewrite_config(os.path.join(path, "config.json"), model_type, dialect, rope)
     if with_tokenizer:
@@ -113,3 +121,91 @@ def _rewrite_config(file: str, model_type: str, dialect: str, rope: dict | None)
     raw["model_type"] = model_type
     with open(file, "w") as f:
         json.dump(raw, f, indent=2)
+
+
+def make_tiny_eagle3_head(
+    path: str,
+    target_dir: str,
+    seed: int = 0,
+    draft_ids: list[int] | None = None,
+    aux_layer_ids: list[int] | None = None,
+    structured: bool = True,
+    num_heads: int = 4,
+    intermediate_size: int = 96,
+    with_embed_tokens: bool = False,
+    layer_prefix: str = "midlayer.",
+    norm_before_residual: bool | None = None,
+    extra_config: dict | None = None,
+) -> dict:
+    """Write an EAGLE-3 head for the target at ``target_dir`` in the published layout (``LlamaForCausalLMEagle3``
+    config, ``midlayer.*`` / ``fc`` / ``norm`` / ``lm_head`` / ``d2t`` / ``t2d`` tensors); returns its tensors.
+
+    ``draft_ids``: the target ids of the draft vocabulary, ascending (None: the whole target vocabulary, d2t all
+    zeros). ``layer_prefix``: ``"midlayer."`` (SpecForge, vLLM, SGLang) or ``"layers.0."`` (speculators).
+    ``structured``: attention that mostly attends to the entry's own token and the target's LM head rows, so the
+    head drafts roughly what the target predicts after a token (acceptance well above chance on a tiny target);
+    otherwise every weight is random (drafts near chance, every input matters: for checking the forward).
+    """
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    weights = load_file(os.path.join(target_dir, "model.safetensors"))
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    head_dim = hidden // num_heads
+    draft_ids = list(range(vocab)) if draft_ids is None else list(draft_ids)
+    draft_vocab = len(draft_ids)
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, std=1.0):
+        return torch.randn(*shape, generator=gen) * std
+
+    eye = torch.eye(hidden)
+    target_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    ids = torch.tensor(draft_ids)
+    if structured:  # q = 4 * k = v = the normed embedding (heads see their slice): attention picks its own entry
+        qkv = [torch.cat([scale * eye, randn(hidden, hidden, std=0.01)], dim=1) for scale in (4.0, 1.0, 1.0)]
+        o_proj, lm_head = eye + randn(hidden, hidden, std=0.01), target_head[ids].clone()
+        fc_std, down_std, norm = 0.02, 0.02, torch.ones(hidden)
+    else:
+        qkv = [randn(hidden, 2 * hidden, std=0.15) for _ in range(3)]
+        o_proj, lm_head = randn(hidden, hidden, std=0.15), randn(draft_vocab, hidden, std=0.5)
+        fc_std, down_std, norm = 0.1, 0.1, 1 + randn(hidden, std=0.1)
+    p = layer_prefix
+    tensors = {
+        "fc.weight": randn(hidden, 3 * hidden, std=fc_std),
+        f"{p}input_layernorm.weight": norm.clone(),
+        f"{p}hidden_norm.weight": norm.clone() if structured else 1 + randn(hidden, std=0.1),
+        f"{p}self_attn.q_proj.weight": qkv[0],
+        f"{p}self_attn.k_proj.weight": qkv[1],
+        f"{p}self_attn.v_proj.weight": qkv[2],
+        f"{p}self_attn.o_proj.weight": o_proj,
+        f"{p}post_attention_layernorm.weight": norm.clone(),
+        f"{p}mlp.gate_proj.weight": randn(intermediate_size, hidden, std=0.1),
+        f"{p}mlp.up_proj.weight": randn(intermediate_size, hidden, std=0.1),
+        f"{p}mlp.down_proj.weight": randn(hidden, intermediate_size, std=down_std),
+        "norm.weight": norm.clone() if structured else 1 + randn(hidden, std=0.1),
+        "lm_head.weight": lm_head,
+        "d2t": ids - torch.arange(draft_vocab),
+        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True),
+    }
+    if with_embed_tokens:
+        tensors["embed_tokens.weight"] = randn(vocab, hidden, std=0.02)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_heads, "head_dim": head_dim,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None, "torch_dtype": "float32",
+        "max_position_embeddings": target["max_position_embeddings"], "tie_word_embeddings": False,
+        "vocab_size": vocab, "draft_vocab_size": draft_vocab, "target_hidden_size": hidden,
+    }
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True}
+    if norm_before_residual is not None:
+        config["norm_before_residual"] = norm_before_residual
+    config.update(extra_config or {})
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return tensors

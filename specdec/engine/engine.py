@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import random
 import time
 
@@ -33,6 +34,8 @@ from specdec.runner.model_runner import ModelRunner
 from specdec.sampling.params import SamplingParams
 from specdec.spec_decode.decoder import SpeculativeDecoder
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, speculative: SpeculativeConfig | None = None):
@@ -43,10 +46,12 @@ class LLMEngine:
         self.device = config.device
         self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
                                 self.model_config, config.prepack_weights)
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          _prefix_caching(config, speculative))
         self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype, config.device)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
-        self.speculative = SpeculativeDecoder(config, speculative, self.tokenizer) if speculative else None
+        self.speculative = (SpeculativeDecoder(config, speculative, self.tokenizer, target=self.model)
+                            if speculative else None)
         # the target's pool first (its prefix cache decides where a request starts), then the proposer's, allocated
         # in lockstep; a decoding request reserves its lookahead (speculation budget) beyond its last token
         self.block_managers = [self.block_manager, *(self.speculative.block_managers if self.speculative else [])]
@@ -264,6 +269,16 @@ class LLMEngine:
         finally:
             if self.tokenizer is not None and reason != "error":
                 finalize_text(seq, self.tokenizer, stopped_by_string)
+
+
+def _prefix_caching(config: EngineConfig, speculative: SpeculativeConfig | None) -> bool:
+    """Whether the target's pool caches prefixes: as configured, except under a proposer fed the target's hidden
+    states (EAGLE-3), which has none for a cached prefix: the whole prompt is computed instead."""
+    if config.enable_prefix_caching and speculative is not None and speculative.reads_target_hidden_states:
+        logger.info("prefix caching is off with method %r: the head needs the target's hidden states of every "
+                    "prompt token", speculative.method)
+        return False
+    return config.enable_prefix_caching
 
 
 def _free_proposer_state(decoder: SpeculativeDecoder, seq: Sequence) -> None:

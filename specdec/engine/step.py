@@ -78,7 +78,7 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, decoder: Speculativ
                                                   runner.device))
 
     start = decoder.start_target_timer(runner.device) if decoder is not None and observe_costs else None
-    logits = runner.forward(items, input_ids=input_ids)  # fp32 [R, V], R = sum(num_logits)
+    logits, aux_hidden = _target_forward(runner, decoder, items, input_ids)  # fp32 [R, V], R = sum(num_logits)
     if start is not None:
         decoder.observe_target(start, len(items), input_starts[-1], tree=meta is not None and meta.trees is not None)
 
@@ -97,6 +97,8 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, decoder: Speculativ
     if pending is not None:
         verified = pending.result([r.request_id for r in draft_round.requests])
         decoder.compact(draft_round, verified, runner.pool, runner.block_manager)
+    if aux_hidden is not None:
+        _hand_over_hidden_states(decoder, batch, input_starts, window_of, verified, aux_hidden)
 
     updates = [_update(seq, n, draft_round, window_of, verified, sampled)
                for seq, n in zip(batch.seqs, batch.num_new_tokens)]
@@ -105,6 +107,38 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, decoder: Speculativ
     if decoder is not None:
         decoder.flush_timings()  # after the step's host read: the timed forwards have completed
     return updates
+
+
+def _target_forward(runner: ModelRunner, decoder: SpeculativeDecoder | None, items: list[ForwardItem],
+                    input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, the hidden states an EAGLE-3 proposer reads - ``[T, 3 * H]`` for every new token - or None when
+    the proposer reads none: then the forward captures nothing)."""
+    layers = decoder.aux_hidden_layers if decoder is not None else None
+    if layers is None:
+        return runner.forward(items, input_ids=input_ids), None
+    return runner.forward_with_aux_hidden(items, layers, input_ids=input_ids)
+
+
+def _hand_over_hidden_states(decoder: SpeculativeDecoder, batch: ScheduledBatch, input_starts: list[int],
+                             window_of: dict[int, int], verified: VerifyResult | None, aux: torch.Tensor) -> None:
+    """The target's hidden states of the tokens each request keeps to the proposer (EAGLE-3): a plain item's
+    (a prefill chunk, a plain decode) every token; a verification window's root and accepted path (a chain's
+    first rows, a tree's accepted nodes), at positions ``num_computed`` on. One gather on the device."""
+    rows, seq_ids, starts, counts = [], [], [], []
+    for i, seq in enumerate(batch.seqs):
+        first = input_starts[i]
+        b = window_of.get(seq.seq_id)
+        if b is None:
+            kept = list(range(first, input_starts[i + 1]))
+        elif verified.accepted_nodes is not None:
+            kept = [first, *(first + node for node in verified.accepted_nodes[b])]
+        else:
+            kept = list(range(first, first + 1 + verified.num_accepted[b]))
+        rows += kept
+        seq_ids.append(seq.seq_id)
+        starts.append(seq.num_computed)
+        counts.append(len(kept))
+    decoder.keep_hidden_states(seq_ids, starts, counts, aux.index_select(0, to_device(rows, torch.int64, aux.device)))
 
 
 def _draft(batch: ScheduledBatch, decoder: SpeculativeDecoder) -> DraftRound:

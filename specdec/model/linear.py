@@ -45,6 +45,16 @@ PREPACK_MIN_ROWS_BF16 = 1  # bfloat16: the prepacked weight for every row count 
 _PACK_BATCH_HINT = 8  # the row count oneDNN tunes the packed layout for (measured: good for 4..16 rows)
 
 
+def dynamo_tracing() -> bool:
+    """Dynamo is tracing the calling code (``torch.compile``); False in eager code.
+
+    Not ``torch.compiler.is_compiling()``: in torch 2.13 that is one flag for the whole process, True in every
+    thread while any thread compiles (kernels/philox.py compiles its CPU noise in a background thread), so eager
+    forwards in the main thread took the compile-only paths meanwhile - with released weights, a ``RuntimeError``.
+    """
+    return torch.compiler.is_dynamo_compiling()
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` for inputs ``x: [..., in_features]`` that uses ``packed_weight`` when it is set and either the
     plain weight was released or ``x`` has ``>= PREPACK_MIN_ROWS`` rows (float32) / ``>= PREPACK_MIN_ROWS_BF16``
@@ -58,7 +68,7 @@ class Linear(nn.Linear):
         # NOTE: under torch.compile the plain F.linear: Inductor lowers mkldnn._linear_pointwise only for weights
         # it packed itself (graph constants, "freezing"), so our packed copy fails to compile; with
         # ``options={"freezing": True}`` Inductor packs F.linear's weight the same way (specdec/runner/cuda_graphs.py).
-        if self.packed_weight is not None and not torch.compiler.is_compiling():
+        if self.packed_weight is not None and not dynamo_tracing():
             rows = x.shape[0] if x.dim() == 2 else None
             if self.weight_released or (rows is not None and rows >= (
                     PREPACK_MIN_ROWS_BF16 if self.packed_bf16 else PREPACK_MIN_ROWS)):

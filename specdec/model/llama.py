@@ -19,7 +19,7 @@ from torch import nn
 
 from specdec import ops
 from specdec.model.config import ModelConfig
-from specdec.model.linear import Linear
+from specdec.model.linear import Linear, dynamo_tracing
 from specdec.model.rope import RotaryEmbedding
 from specdec.model.safetensors_reader import TensorEntry
 
@@ -58,6 +58,15 @@ def _write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: tor
 @_write_kv_op.register_fake
 def _(k_cache, v_cache, slot_mapping, k, v) -> None:
     return None
+
+
+def _capture_layer(x: torch.Tensor, layer: int, aux_layers: tuple[int, ...], aux: torch.Tensor) -> None:
+    """Copy ``x [T, hidden]`` (the residual stream entering ``layer``) into every column block of ``aux [T,
+    len(aux_layers) * hidden]`` whose id in ``aux_layers`` is ``layer``."""
+    hidden = x.shape[-1]
+    for j, wanted in enumerate(aux_layers):
+        if wanted == layer:
+            aux[:, j * hidden : (j + 1) * hidden] = x
 
 
 class RMSNorm(nn.Module):
@@ -100,7 +109,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         q, k = self.rope(q, k, positions)
         # Write the new K/V into their slots, then attend over each sequence's whole context.
-        if torch.compiler.is_compiling():
+        if dynamo_tracing():
             # NOTE: an opaque in-place op under torch.compile: traced as plain indexing, the write to a view of the
             # pool is functionalised into a copy of the whole pool per layer (a tiny llama's compiled decode went
             # from 1.1 ms to 260 ms with a 20000-block pool); the custom op is re-inplaced by Inductor.
@@ -205,11 +214,37 @@ class LlamaForCausalLM(nn.Module):
         """fp32 logits ``[N, V]`` of final-norm hidden states ``[N, hidden]``."""
         return self.lm_head(hidden).float()
 
-    def _decoder(self, input_ids, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+    @torch.inference_mode()
+    def forward_with_aux_hidden(
+        self,
+        input_ids: torch.Tensor,  # int64 (T,)
+        positions: torch.Tensor,  # int64 (T,)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # int64 (N,)
+        aux_layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, and the hidden states of every new token entering the layers ``aux_layers`` (id k: the
+        residual stream before layer k, as vLLM numbers them - transformers' ``hidden_states[k]`` for k < L, 0 the
+        embeddings; ``L`` the last layer's output before the final norm), concatenated in that order: ``(logits
+        fp32 [N, V], aux [T, len(aux_layers) * hidden])``, aux in the model's dtype. The same operations as
+        ``forward`` (the logits are bitwise the same); each captured layer costs one ``[T, hidden]`` copy
+        (EAGLE-3 heads)."""
+        hidden = self.config.hidden_size
+        aux = self.embed_tokens.weight.new_empty(input_ids.shape[0], len(aux_layers) * hidden)
+        x = self._decoder(input_ids, positions, kv_cache, meta, capture=(aux_layers, aux))
+        return self.logits(self.norm(x[logits_indices])), aux
+
+    def _decoder(self, input_ids, positions, kv_cache, meta: AttentionMetadata,
+                 capture: tuple[tuple[int, ...], torch.Tensor] | None = None) -> torch.Tensor:
         k_caches, v_caches = kv_cache
         x = self.embed_tokens(input_ids)  # (T, hidden)
         for i, layer in enumerate(self.layers):
+            if capture is not None:
+                _capture_layer(x, i, *capture)
             x = layer(x, positions, k_caches[i], v_caches[i], meta)
+        if capture is not None:
+            _capture_layer(x, len(self.layers), *capture)
         return x  # (T, hidden), before the final norm
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | TensorEntry]]) -> None:

@@ -95,6 +95,20 @@ class ModelRunner:
                 return out
         return self.model(ids, positions, self.pool.tensors, meta, logits_indices)
 
+    def forward_with_aux_hidden(self, items: list[ForwardItem], aux_layers: tuple[int, ...],
+                                input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``, and the hidden states entering the target's layers ``aux_layers`` for every new token, in
+        flat item order: ``(logits fp32 [sum(num_logits), V], aux [sum(len(token_ids)), len(aux_layers) *
+        hidden])`` (``LlamaForCausalLM.forward_with_aux_hidden``; what an EAGLE-3 head is fed). Always eager:
+        the static forwards (``cuda_graphs.py``) do not capture hidden states."""
+        meta, ids, positions, logits_indices = self.prepare(items, with_ids=input_ids is None)
+        if input_ids is not None:
+            assert input_ids.shape == positions.shape, "input_ids must hold one id per new token"
+            ids = input_ids
+        self.num_forwards += 1
+        return self.model.forward_with_aux_hidden(ids, positions, self.pool.tensors, meta, logits_indices,
+                                                  aux_layers)
+
     def _static_forward(self, ids, positions, meta: AttentionMetadata, q_len: int, logits_indices
                         ) -> torch.Tensor | None:
         """The uniform batch through its static bucket, or None (no bucket serves it: run it eagerly). A failure

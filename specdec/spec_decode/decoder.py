@@ -24,6 +24,7 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.device import to_device
+from specdec.model.llama import LlamaForCausalLM
 from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.runner.step_output import StepOutput
@@ -50,19 +51,21 @@ class DraftRound:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig, tokenizer: Tokenizer | None):
+    def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig, tokenizer: Tokenizer | None,
+                 target: LlamaForCausalLM | None = None):
         self.spec_config = spec_config
         self.max_model_len = config.max_model_len
         self.vocab_size = config.model_config.vocab_size
         self.k_max = spec_config.num_speculative_tokens  # the longest chain (a tree's deepest path)
         self.device = config.device
-        self.cost_model = spec_config.cost_model or MeasuredCostModel(is_model_free=not spec_config.uses_draft_model)
+        self.cost_model = spec_config.cost_model or MeasuredCostModel(is_model_free=not spec_config.drafts_with_a_model)
         # adaptive choices: the chain length (adaptive=True) and/or tree or chain per round (tree_policy "measured")
         self.adaptive = self._new_adaptive() if spec_config.adaptive or spec_config.measures_trees else None
         self.timer = ForwardTimer() if self.adaptive is not None else None  # forwards are timed for those only
         self._arms: dict[int, Arm] = {}  # seq id -> the arm chosen at its last lookahead (adaptive choices only)
         self.proposer: Proposer = build_proposer(config, spec_config, tokenizer, self.timer,
-                                                 self.cost_model.observe_draft if self.timer is not None else None)
+                                                 self.cost_model.observe_draft if self.timer is not None else None,
+                                                 target=target)
         self.max_positions = self.proposer.max_positions or config.max_model_len
         self.stats = {"rollback_freed_blocks": 0}  # engine-wide counters (tests assert page-boundary rollbacks)
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
@@ -72,10 +75,11 @@ class SpeculativeDecoder:
         engine has, for an engine that was warmed up (benchmarks). No-op without adaptive k or with injected costs."""
         if self.adaptive is None or self.spec_config.cost_model is not None:
             return
-        self.cost_model = MeasuredCostModel(is_model_free=not self.spec_config.uses_draft_model)
+        self.cost_model = MeasuredCostModel(is_model_free=not self.spec_config.drafts_with_a_model)
         self.adaptive = self._new_adaptive()
-        if self.draft_model is not None:
-            self.draft_model.on_forward = self.cost_model.observe_draft
+        drafter = self.draft_model if self.draft_model is not None else self.proposer  # a draft model or EAGLE-3 head
+        if getattr(drafter, "on_forward", None) is not None:  # model-free proposers time no draft forward
+            drafter.on_forward = self.cost_model.observe_draft
 
     def _new_adaptive(self) -> AdaptiveK:
         spec = self.spec_config
@@ -253,6 +257,20 @@ class SpeculativeDecoder:
         kept = request.num_computed
         self.stats["rollback_freed_blocks"] += target_block_manager.truncate_to(request.seq_id, kept)
         self.proposer.rollback(request, kept)
+
+    # --- the target's hidden states (an EAGLE-3 proposer; engine/step.py) ------------------------------------
+    @property
+    def aux_hidden_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose hidden states the proposer is fed (the target forward then captures them), or
+        None: it reads none, and the forward captures nothing."""
+        return getattr(self.proposer, "aux_hidden_layers", None)
+
+    def keep_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
+                           hidden: torch.Tensor) -> None:
+        """Hand the proposer the target's hidden states ``[sum(counts), len(aux_hidden_layers) * H]`` of the
+        tokens each request keeps after this step: ``counts[i]`` of request ``seq_ids[i]`` from position
+        ``starts[i]`` on, request-major (beyond the committed KV until the commit: ``discard`` drops them)."""
+        self.proposer.take_hidden_states(seq_ids, starts, counts, hidden)
 
 
 def _select(proposal: DraftProposal, keep: list[int]) -> DraftProposal:

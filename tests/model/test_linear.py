@@ -68,6 +68,39 @@ def test_released_weights_leave_one_copy_and_the_same_outputs_for_every_row_coun
         model[0].prepack()
 
 
+def test_released_weights_work_while_another_thread_compiles():
+    """``torch.compiler.is_compiling()`` is one flag for the whole process: while any thread runs a torch.compile
+    (kernels/philox.py compiles its CPU noise in a background thread once sampling starts), it is True in every
+    thread. An eager forward elsewhere must still take the packed path - with the plain weight released it has no
+    other (it raised "cannot trace", and an EAGLE-3 head stopped drafting while the noise compiled)."""
+    import threading
+
+    session = getattr(torch.compiler, "_compile_session_context", None)  # what Dynamo holds while it compiles
+    if session is None:
+        pytest.skip("this torch has no compile-session flag")
+    torch.manual_seed(0)
+    layer = Linear(24, 40)
+    x = torch.randn(3, 24)
+    want = layer(x)
+    layer.prepack(release_weight=True)
+    entered, done = threading.Event(), threading.Event()
+
+    def compiling_thread():
+        with session():
+            entered.set()
+            done.wait()
+
+    thread = threading.Thread(target=compiling_thread)
+    thread.start()
+    try:
+        assert entered.wait(30)
+        assert torch.compiler.is_compiling()  # the flag is visible here, in another thread
+        torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    finally:
+        done.set()
+        thread.join()
+
+
 def test_a_weight_shared_with_another_module_keeps_its_plain_rows():
     embedding = torch.nn.Embedding(50, 16)
     head = Linear(16, 50, bias=False)

@@ -91,68 +91,54 @@ class DraftModelProposer:
 
     def propose(self, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
         """Draft ``num_tokens[i]`` tokens for ``seqs[i]``, batched: k steps, each one forward over the requests
-        still drafting. No host read: the drafted ids stay on the device (``DraftProposal.device_ids``, with the
-        NaN/inf flags of every step in ``bad_rows``) through the target forward, and come to the host with the
-        verification result - unless a request uses penalties: their context needs the drafts so far on the
-        host, so then each step reads its tokens (``token_ids`` is then filled too)."""
-        step_tokens: list[torch.Tensor] = []  # per step: int64 [len(active)] drafted ids, on the device
-        step_probs: list[torch.Tensor | None] = []  # per step: fp32 [len(active), V_draft] q, None if all greedy
-        owners: list[int] = []  # request of each row of torch.cat(step_tokens)
-        bad_rows: list[torch.Tensor] = []  # per step: bool [len(active)] rows with NaN/inf draft logits
-        host_drafts: list[list[int]] | None = [[] for _ in seqs] if any(s.params.has_penalties for s in seqs) else None
-        active = [i for i, k in enumerate(num_tokens) if k > 0]
-        # Step 0 feeds everything the draft cache lacks (lazy prefill / catch-up) and drafts the first token.
-        items = []
+        still drafting (:func:`draft_chains`)."""
+        return draft_chains(self, seqs, num_tokens)
+
+    def chain_step(self, seqs: list[RequestView], active: list[int], step: int, input_ids: torch.Tensor | None,
+                   kept: torch.Tensor | None) -> torch.Tensor:
+        """One draft forward of a chain round over the requests ``active`` (indices into ``seqs``): step 0
+        feeds everything the draft cache lacks (lazy prefill / catch-up) up to the last token, a later step the
+        previous step's drafts (``input_ids``, on the device; ``kept``: unused here, see :func:`draft_chains`).
+        Logits ``[len(active), V_draft]``."""
+        if step == 0:
+            items = self._catch_up_items([seqs[i] for i in active])
+        else:  # the ids themselves come from input_ids
+            items = [ForwardItem(seqs[i].seq_id, [UNKNOWN_ID_STANDIN], seqs[i].num_tokens + step - 1, 1)
+                     for i in active]
+        # step 0 includes catch-up: only pure draft steps are timed (for adaptive k; no host sync)
+        timed = self.timer is not None and step > 0
+        start = self.timer.start(self.runner.device) if timed else None
+        logits = self.runner.forward(items, input_ids=input_ids)  # (len(items), V_draft)
+        if timed:
+            self.timer.stop(start, functools.partial(self.on_forward, len(items)))
         for i in active:
-            seq = seqs[i]
+            self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
+        return logits
+
+    def _catch_up_items(self, seqs: list[RequestView]) -> list[ForwardItem]:
+        """Per request, what the draft cache lacks, ending with its last token (whose logits are wanted)."""
+        items = []
+        for seq in seqs:
             have = self.kv_len.get(seq.seq_id, 0)
             items.append(ForwardItem(seq.seq_id, self._in_vocab(seq.all_token_ids[have:]), have, 1))
-        input_ids = None  # after step 0: the previous step's drafts, still on the device
-        step = 0
-        while items:
-            # step 0 includes catch-up: only pure draft steps are timed (for adaptive k; no host sync)
-            timed = self.timer is not None and step > 0
-            start = self.timer.start(self.runner.device) if timed else None
-            logits = self.runner.forward(items, input_ids=input_ids)  # (len(items), V_draft)
-            if timed:
-                self.timer.stop(start, functools.partial(self.on_forward, len(items)))
-            for i in active:
-                self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
-            tokens, probs = self._sample(logits, [seqs[i] for i in active], step,
-                                         [host_drafts[i] for i in active] if host_drafts else None, bad_rows)
-            step_tokens.append(tokens)
-            step_probs.append(probs)
-            owners += active
-            if host_drafts is not None:
-                for i, t in zip(active, tokens.tolist()):  # penalties need the drafts on the host every step
-                    host_drafts[i].append(t)
-            step += 1
-            keep = [row for row, i in enumerate(active) if num_tokens[i] > step]
-            active = [active[row] for row in keep]
-            input_ids = tokens if len(keep) == len(tokens) else tokens[to_device(keep, torch.int64, tokens.device)]
-            items = [ForwardItem(seqs[i].seq_id, [UNKNOWN_ID_STANDIN], seqs[i].num_tokens + step - 1, 1)
-                     for i in active]  # the ids themselves come from input_ids
-        counts = [0] * len(seqs)
-        for i in owners:
-            counts[i] += 1
-        order = sorted(range(len(owners)), key=owners.__getitem__)  # stable: a request's rows stay in step order
-        index = to_device(order, torch.int64, self.runner.device)  # step-major rows -> request-major
-        device_ids = _gather_rows(step_tokens, index, torch.int64)
-        bad = _gather_rows(bad_rows, index, torch.bool)
-        is_onehot = [seq.params.is_greedy for seq in seqs]  # greedy drafts are deterministic: q is one-hot
-        probs = None
-        if any(q is not None for q in step_probs):  # some request samples: q of every row, request-major
-            # [sum(k_b), V_target]; a smaller draft vocabulary is zero-padded; the rows of one-hot (greedy)
-            # requests are never read (zeros where a step had only greedy rows)
-            width = next(q for q in step_probs if q is not None).shape[1]
-            rows = [q if q is not None else t.new_zeros(t.shape[0], width, dtype=torch.float32)
-                    for q, t in zip(step_probs, step_tokens)]
-            probs = torch.cat(rows)[index]  # [sum(k_b), V_draft]
-            if width < self.target_vocab_size:
-                probs = F.pad(probs, (0, self.target_vocab_size - width))
-        # request i took part in one draft forward per draft token (the first includes its catch-up)
-        return DraftProposal(host_drafts, probs, is_onehot, counts, device_ids=device_ids, bad_rows=bad,
-                             num_drafts=counts)
+        return items
+
+    # the forwards of a tree round (draft_tree.propose_tree)
+    def tree_root_position(self, seq: RequestView) -> int:
+        """Where the tree's root (the last token) sits in the draft cache; its nodes follow it."""
+        return seq.num_tokens - 1
+
+    def tree_root_forward(self, seqs: list[RequestView]) -> torch.Tensor:
+        """The catch-up forward of a tree round: logits ``[len(seqs), V_draft]`` at each root."""
+        logits = self.runner.forward(self._catch_up_items(seqs))
+        for seq in seqs:
+            self.kv_len[seq.seq_id] = seq.num_tokens
+        return logits
+
+    def tree_level_forward(self, items: list[ForwardItem], parent_rows: list[int]) -> torch.Tensor:
+        """One depth of tree nodes (``items``, one per request); logits per node. ``parent_rows``: each node's
+        parent's row in the previous tree forward (unused: a draft model is fed tokens only)."""
+        return self.runner.forward(items)
 
     def _in_vocab(self, ids: list[int]) -> list[int]:
         """``ids`` as the draft may see them: ids beyond its vocabulary replaced by ``UNKNOWN_ID_STANDIN``."""
@@ -162,22 +148,7 @@ class DraftModelProposer:
 
     def _sample(self, logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
                 bad_rows: list[torch.Tensor]):
-        """Draw the next draft token of each row from q, the standardized draft distribution (same transform and
-        the same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts
-        so far on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into
-        ``bad_rows``, not raised, so that the check costs no host read here."""
-        per_round = self.noise_per_round
-        contexts = ([s.penalty_counts(d) if s.params.has_penalties else None for s, d in zip(seqs, drafts)]
-                    if drafts is not None else [None] * len(seqs))
-        return sample_rows(
-            logits,
-            [s.params for s in seqs],
-            [s.seed for s in seqs],
-            [s.num_tokens + (0 if per_round else step) for s in seqs],
-            contexts,  # ids beyond the draft's vocabulary are dropped (they have no logit to penalise)
-            round_stream(STREAM_DRAFT, step) if per_round else STREAM_DRAFT,
-            bad_rows=bad_rows,
-        )
+        return sample_draft_step(logits, seqs, step, drafts, bad_rows, self.noise_per_round)
 
     # --- the cache after verification -----------------------------------------------------------------------
     def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
@@ -223,6 +194,79 @@ class DraftModelProposer:
     def free(self, seq_id: int, finished: bool) -> None:
         self.kv_len.pop(seq_id, None)
         self.tree_positions.pop(seq_id, None)
+
+
+def draft_chains(drafter, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
+    """Chains of ``num_tokens[i]`` drafts for ``seqs[i]`` from a model drafter (a draft model, an EAGLE-3 head),
+    batched: k steps, each one forward (``drafter.chain_step``) over the requests still drafting. No host read:
+    the drafted ids stay on the device (``DraftProposal.device_ids``, with the NaN/inf flags of every step in
+    ``bad_rows``) through the target forward, and come to the host with the verification result - unless a
+    request uses penalties: their context needs the drafts so far on the host, so then each step reads its tokens
+    (``token_ids`` is then filled too). q rows are laid out over the target's vocabulary."""
+    step_tokens: list[torch.Tensor] = []  # per step: int64 [len(active)] drafted ids, on the device
+    step_probs: list[torch.Tensor | None] = []  # per step: fp32 [len(active), V_draft] q, None if all greedy
+    owners: list[int] = []  # request of each row of torch.cat(step_tokens)
+    bad_rows: list[torch.Tensor] = []  # per step: bool [len(active)] rows with NaN/inf draft logits
+    host_drafts: list[list[int]] | None = [[] for _ in seqs] if any(s.params.has_penalties for s in seqs) else None
+    active = [i for i, k in enumerate(num_tokens) if k > 0]
+    input_ids = None  # after step 0: the previous step's drafts, still on the device
+    kept = None  # after step 0: rows of the previous step still drafting (int64 on the device; None: all)
+    step = 0
+    while active:
+        logits = drafter.chain_step(seqs, active, step, input_ids, kept)  # (len(active), V_draft)
+        tokens, probs = drafter._sample(logits, [seqs[i] for i in active], step,
+                                        [host_drafts[i] for i in active] if host_drafts else None, bad_rows)
+        step_tokens.append(tokens)
+        step_probs.append(probs)
+        owners += active
+        if host_drafts is not None:
+            for i, t in zip(active, tokens.tolist()):  # penalties need the drafts on the host every step
+                host_drafts[i].append(t)
+        step += 1
+        keep = [row for row, i in enumerate(active) if num_tokens[i] > step]
+        active = [active[row] for row in keep]
+        kept = None if len(keep) == len(tokens) else to_device(keep, torch.int64, tokens.device)
+        input_ids = tokens if kept is None else tokens[kept]
+    counts = [0] * len(seqs)
+    for i in owners:
+        counts[i] += 1
+    order = sorted(range(len(owners)), key=owners.__getitem__)  # stable: a request's rows stay in step order
+    index = to_device(order, torch.int64, drafter.runner.device)  # step-major rows -> request-major
+    device_ids = _gather_rows(step_tokens, index, torch.int64)
+    bad = _gather_rows(bad_rows, index, torch.bool)
+    is_onehot = [seq.params.is_greedy for seq in seqs]  # greedy drafts are deterministic: q is one-hot
+    probs = None
+    if any(q is not None for q in step_probs):  # some request samples: q of every row, request-major
+        # [sum(k_b), V_target]; a smaller draft vocabulary is zero-padded; the rows of one-hot (greedy)
+        # requests are never read (zeros where a step had only greedy rows)
+        width = next(q for q in step_probs if q is not None).shape[1]
+        rows = [q if q is not None else t.new_zeros(t.shape[0], width, dtype=torch.float32)
+                for q, t in zip(step_probs, step_tokens)]
+        probs = torch.cat(rows)[index]  # [sum(k_b), V_draft]
+        if width < drafter.target_vocab_size:
+            probs = F.pad(probs, (0, drafter.target_vocab_size - width))
+    # request i took part in one draft forward per draft token (the first includes its catch-up)
+    return DraftProposal(host_drafts, probs, is_onehot, counts, device_ids=device_ids, bad_rows=bad,
+                         num_drafts=counts)
+
+
+def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
+                      bad_rows: list[torch.Tensor], noise_per_round: bool):
+    """Draw the next draft token of each row from q, the standardized draft distribution (same transform and the
+    same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts so far
+    on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into ``bad_rows``, not
+    raised, so that the check costs no host read here. ``noise_per_round``: see ``DraftModelProposer``."""
+    contexts = ([s.penalty_counts(d) if s.params.has_penalties else None for s, d in zip(seqs, drafts)]
+                if drafts is not None else [None] * len(seqs))
+    return sample_rows(
+        logits,
+        [s.params for s in seqs],
+        [s.seed for s in seqs],
+        [s.num_tokens + (0 if noise_per_round else step) for s in seqs],
+        contexts,  # ids beyond the draft's vocabulary are dropped (they have no logit to penalise)
+        round_stream(STREAM_DRAFT, step) if noise_per_round else STREAM_DRAFT,
+        bad_rows=bad_rows,
+    )
 
 
 def _gather_rows(step_rows: list[torch.Tensor], index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -76,21 +76,20 @@ def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budget
                  ) -> DraftProposal:
     """A tree per request: depth <= ``depth_caps[i]``, at most ``budgets[i]`` drafted nodes.
 
-    ``drafter`` is the :class:`~specdec.spec_decode.proposers.draft_model.DraftModelProposer` (its runner, cache
-    bookkeeping and vocabulary mapping). Returns trees in DFS order with q rows per node (``DraftProposal.trees``).
+    ``drafter`` is a model drafter - :class:`~specdec.spec_decode.proposers.draft_model.DraftModelProposer` or
+    :class:`~specdec.spec_decode.proposers.eagle3.Eagle3Proposer` - giving its forwards (``tree_root_forward``:
+    catch-up and the roots' logits; ``tree_level_forward``: one depth of nodes, with each node's parent row in the
+    previous forward), where its root sits in its cache (``tree_root_position``; the nodes follow it), its
+    vocabulary mapping (``_in_vocab``, ``target_vocab_size``) and ``tree_positions``. Returns trees in DFS order
+    with q rows per node (``DraftProposal.trees``).
     """
     grows = [_Growing(s, d, b, [s.last_token_id], [-1], [0], [1.0]) for s, d, b in zip(seqs, depth_caps, budgets)]
     active = [g for g in grows if g.depth_cap > 0 and g.budget > 0]
-    # level 0: catch-up + the root's q
-    items = []
-    for g in active:
-        have = drafter.kv_len.get(g.seq.seq_id, 0)
-        items.append(ForwardItem(g.seq.seq_id, drafter._in_vocab(g.seq.all_token_ids[have:]), have, 1))
     frontier = {id(g): [0] for g in active}
-    if items:
-        logits = drafter.runner.forward(items)  # (len(active), V_draft)
-        for g in active:
-            drafter.kv_len[g.seq.seq_id] = g.seq.num_tokens
+    rows: dict[tuple[int, int], int] = {}  # (request, node) -> its row in the last draft forward
+    if active:  # level 0: catch-up + the root's q
+        logits = drafter.tree_root_forward([g.seq for g in active])  # (len(active), V_draft)
+        rows = {(id(g), 0): r for r, g in enumerate(active)}
         _store_q(drafter, logits, [(g, 0) for g in active], shape)
     depth = 0
     while active:
@@ -100,8 +99,11 @@ def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budget
         frontier = new_nodes
         feed = [g for g in active if depth < g.depth_cap and g.budget > 0]
         if feed:
-            logits = drafter.runner.forward([_level_item(drafter, g, new_nodes[id(g)]) for g in feed])
-            _store_q(drafter, logits, [(g, n) for g in feed for n in new_nodes[id(g)]], shape)
+            fed = [(g, n) for g in feed for n in new_nodes[id(g)]]
+            parents = [rows[(id(g), g.parents[n])] for g, n in fed]
+            logits = drafter.tree_level_forward([_level_item(drafter, g, new_nodes[id(g)]) for g in feed], parents)
+            rows = {(id(g), n): r for r, (g, n) in enumerate(fed)}
+            _store_q(drafter, logits, fed, shape)
         active = feed
     return _proposal(drafter, seqs, grows)
 
@@ -170,7 +172,8 @@ def _child_counts(g: _Growing, frontier: list[int], depth: int, shape: TreeShape
 
 def _level_item(drafter, g: _Growing, nodes: list[int]) -> ForwardItem:
     """The forward item feeding ``nodes`` (one depth) to the draft, with the mask over the tree's cached nodes."""
-    start = g.seq.num_tokens + len(g.fed)  # the root sits at num_tokens - 1
+    root = drafter.tree_root_position(g.seq)  # a draft model's root (the last token) sits at num_tokens - 1
+    start = root + 1 + len(g.fed)
     g.fed.extend(nodes)
     window = g.fed  # the last len(window) keys of the draft's context are these nodes, in this order
     column = {node: j for j, node in enumerate(window)}
@@ -180,7 +183,7 @@ def _level_item(drafter, g: _Growing, nodes: list[int]) -> ForwardItem:
         while a > 0:
             mask[i, column[a]] = True
             a = g.parents[a]
-    positions = [g.seq.num_tokens - 1 + g.depths[n] for n in nodes]
+    positions = [root + g.depths[n] for n in nodes]
     return ForwardItem(g.seq.seq_id, drafter._in_vocab([g.tokens[n] for n in nodes]), start, len(nodes),
                        positions=positions, mask=mask)
 
@@ -222,8 +225,9 @@ def _proposal(drafter, seqs: list[RequestView], grows: list[_Growing]) -> DraftP
             order.append(node)
             stack.extend(reversed(kids[node]))
         new_index = {old: new for new, old in enumerate(order)}
-        # draft-cache position of every fed node, by its DFS index (the root sits at num_tokens - 1)
-        drafter.tree_positions[g.seq.seq_id] = {new_index[node]: g.seq.num_tokens + j for j, node in enumerate(g.fed)}
+        # draft-cache position of every fed node, by its DFS index (they follow the root)
+        root = drafter.tree_root_position(g.seq)
+        drafter.tree_positions[g.seq.seq_id] = {new_index[node]: root + 1 + j for j, node in enumerate(g.fed)}
         trees.append(DraftTree(tuple(g.tokens[o] for o in order),
                                tuple(-1 if o == 0 else new_index[g.parents[o]] for o in order)))
         q_lists.append([g.q_rows.get(o) for o in order])

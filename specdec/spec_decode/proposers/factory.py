@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
 from specdec.model.config import ModelConfig, resolve_dtype
+from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
+from specdec.model.llama import LlamaForCausalLM
 from specdec.model.loader import load_model, resolve_model_path
 from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
@@ -15,22 +17,28 @@ from specdec.spec_decode.proposers.combined import CombinedProposer
 from specdec.spec_decode.proposers.compat import check_draft_compatible
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer
 from specdec.spec_decode.proposers.draft_tree import TreeShape
+from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
 from specdec.spec_decode.proposers.ngram import NgramProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 
 
 def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
                    timer: ForwardTimer | None = None,
-                   on_draft_forward: Callable[[int, float], None] | None = None) -> Proposer:
-    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram", or "combined" (a model-free
-    lookup first, the draft model for the requests it has nothing for).
+                   on_draft_forward: Callable[[int, float], None] | None = None,
+                   target: LlamaForCausalLM | None = None) -> Proposer:
+    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram", "combined" (a model-free
+    lookup first, the draft model for the requests it has nothing for), or "eagle3" (an EAGLE-3 head).
 
     Args:
         config: the engine's config (the target model, pool sizes, device).
         tokenizer: the target's, to check a draft model's vocabulary against (None: the model folder has none).
         timer, on_draft_forward: adaptive k's draft timings (None when adaptive k is off).
-    Raises ``ValueError`` when the draft model cannot draft for this target (proposers/compat.py).
+        target: the loaded target model (an EAGLE-3 head without its own embedding shares the target's).
+    Raises ``ValueError`` when the draft model or head cannot draft for this target (proposers/compat.py,
+    ``Eagle3Config.check_target``) or a head is not in the published EAGLE-3 layout.
     """
+    if spec.method == "eagle3":
+        return _load_eagle3(config, spec, target, timer, on_draft_forward)
     model = None
     if spec.uses_draft_model:
         model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward)
@@ -46,6 +54,30 @@ def _model_free(spec: SpeculativeConfig, method: str) -> ModelFreeProposer:
     return NgramProposer(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window)
 
 
+def _tree_shape(spec: SpeculativeConfig) -> TreeShape | None:
+    if not spec.uses_tree:
+        return None
+    return TreeShape(spec.tree if isinstance(spec.tree, list) else None, spec.tree_max_branch)
+
+
+def _load_eagle3(config: EngineConfig, spec: SpeculativeConfig, target: LlamaForCausalLM | None,
+                 timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None) -> Eagle3Proposer:
+    if target is None:
+        raise ValueError("method 'eagle3' needs the loaded target model (its embedding and hidden states)")
+    path = resolve_model_path(spec.draft_model)
+    dtype = config.dtype
+    if spec.draft_dtype:
+        dtype = resolve_dtype(spec.draft_dtype, Eagle3Config.from_json(path).layer, config.device)
+    max_positions = config.max_model_len  # rotary tables: the head writes positions below max_model_len
+    head = load_eagle3_head(path, dtype, config.device, max_positions + 1, config.model_config, target.embed_tokens,
+                            False if config.prepack_weights is False else None)
+    aux_layers = head.config.aux_layers(config.model_config.num_hidden_layers)
+    return Eagle3Proposer(head, aux_layers, config.num_kv_blocks, config.block_size, dtype, config.device,
+                          max_positions, tree_shape=_tree_shape(spec),
+                          noise_per_round=spec.verify == "block",  # fresh drafts every round (block_verify.py)
+                          timer=timer, on_forward=on_forward)
+
+
 def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
                       timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None
                       ) -> DraftModelProposer:
@@ -58,10 +90,7 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
     max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
     model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
                        False if config.prepack_weights is False else None)  # its dtype may not support prepacking
-    tree_shape = None
-    if spec.uses_tree:
-        tree_shape = TreeShape(spec.tree if isinstance(spec.tree, list) else None, spec.tree_max_branch)
     return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
-                              config.model_config.vocab_size, max_positions, tree_shape=tree_shape,
+                              config.model_config.vocab_size, max_positions, tree_shape=_tree_shape(spec),
                               noise_per_round=spec.verify == "block",  # fresh drafts every round (block_verify.py)
                               timer=timer, on_forward=on_forward)
