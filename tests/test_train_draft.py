@@ -22,6 +22,8 @@ from specdec.model.eagle3 import Eagle3Config, check_layout, default_aux_layers,
 from specdec.training import TrainDraftConfig, train_draft
 from specdec.training.data import load_samples
 from specdec.training.evaluate import acceptance
+from specdec.training.head import load_train_head
+from specdec.training.ttt import unroll
 
 LAYERS, HIDDEN, VOCAB, HEADS, KV_HEADS, MLP = 4, 64, 300, 4, 2, 128  # make_tiny_model's shapes
 STEPS, K = 60, 3
@@ -112,6 +114,29 @@ def test_writes_the_published_layout(trained):
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     target_ids = torch.arange(vd) + tensors["d2t"]
     assert torch.equal(torch.nonzero(tensors["t2d"]).flatten(), target_ids)  # ascending, marked in t2d
+
+
+def test_unrolled_steps_match_the_dense_reference(trained, target):
+    """Step j, row p of the training-time test is the head's q after the context ``tokens[:p + 2]`` and the
+    drafted path ``tokens[p + 2 : p + 2 + j]`` - computed by test_eagle3's dense EAGLE-3 written from the published
+    description, fed transformers' hidden states (so training optimises what the proposer drafts with)."""
+    from test_eagle3 import ReferenceHead
+
+    out, _ = trained
+    ref = ReferenceHead(out, target)
+    head, _, _ = load_train_head(out, max_positions=64)
+    tokens = load_samples(os.path.join(out, "data", "samples.jsonl"))[0].ids[:24]
+    aux = ref.target_hidden(tokens)[None]  # (1, T, 3H)
+    embedding = ref.hf.model.embed_tokens.weight.detach()
+    with torch.no_grad():
+        probs = [head.logits(x)[0].softmax(-1) for x in unroll(head, embedding, torch.tensor([tokens]), aux, K)]
+    checked = 0
+    for j in range(K):
+        for p in range(0, len(tokens) - 2 - j, 2):
+            q = ref.path_q(tokens[: p + 2], tokens[p + 2 : p + 2 + j])
+            torch.testing.assert_close(probs[j][p], q[ref.target_ids], atol=2e-5, rtol=1e-4)
+            checked += 1
+    assert checked > 20
 
 
 def test_trained_head_loads_drafts_losslessly_and_is_accepted(trained, untrained, target):

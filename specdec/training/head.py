@@ -120,3 +120,22 @@ class TrainHead(nn.Module):
     def published_state(self) -> dict[str, torch.Tensor]:
         """The head's tensors under their published names (fp32 copies on the CPU; no ``d2t`` / ``t2d``)."""
         return {name: t.detach().float().cpu().contiguous() for name, t in self.state_dict().items()}
+
+
+def load_train_head(path: str, max_positions: int) -> tuple[TrainHead, torch.Tensor, torch.Tensor | None]:
+    """A head in the published layout (folder ``path``: ours, or one trained elsewhere) as a :class:`TrainHead`
+    (fp32, CPU), with its ``d2t`` int64 ``[D]`` (zeros when the file has none) and ``t2d`` (None when absent).
+    ``ValueError`` if the folder is not such a head, or has its own ``embed_tokens`` or ``norm_before_residual``
+    (not trained here)."""
+    from specdec.model.eagle3 import check_layout, iter_head_weights, read_head_tensors
+
+    config = Eagle3Config.from_json(path)
+    tensors = read_head_tensors(iter_head_weights(path))
+    check_layout(tensors, config, f"the EAGLE-3 head at {path}")
+    if "embed_tokens.weight" in tensors or config.norm_before_residual:
+        raise ValueError(f"the EAGLE-3 head at {path} has its own embed_tokens or norm_before_residual: the trainer "
+                         "trains heads that share the target's embedding, with norm_before_residual false")
+    head = TrainHead(config, max_positions)
+    head.load_state_dict({k: v.float() for k, v in tensors.items() if k not in ("d2t", "t2d")})
+    d2t = tensors["d2t"].long() if "d2t" in tensors else torch.zeros(config.draft_vocab_size, dtype=torch.int64)
+    return head, d2t, tensors.get("t2d")

@@ -16,6 +16,7 @@ the mean over steps weighted ``decay ** j``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -71,23 +72,31 @@ def _shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return out
 
 
+def unroll(head: TrainHead, embedding: torch.Tensor, input_ids: torch.Tensor, aux: torch.Tensor, steps: int
+           ) -> Iterator[torch.Tensor]:
+    """The head's pre-norm outputs ``[B, T, H]`` of draft steps 0..steps-1 (``head.logits`` of step j, row p:
+    the head's prediction of token p + 2 + j), for ``input_ids`` int64 ``[B, T]`` and the target's states ``aux``
+    ``[B, T, 3 * H_target]``; ``embedding`` [V, H] is the target's (frozen)."""
+    b, t = input_ids.shape
+    base_pos = torch.arange(t, device=input_ids.device).expand(b, t)  # (B, T)
+    hidden = head.fuse(aux.to(head.fc.weight.dtype))  # (B, T, H)
+    cache: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for j in range(steps):
+        ids = _shift_left(input_ids, 1 + j, 0)  # (B, T) token p + 1 + j
+        embeds = F.embedding(ids, embedding).to(hidden.dtype)  # (B, T, H)
+        hidden = head.step(embeds, hidden, base_pos + j, cache)  # (B, T, H)
+        yield hidden
+
+
 def ttt_loss(head: TrainHead, embedding: torch.Tensor, batch: TTTBatch, steps: int, decay: float = 0.8
              ) -> tuple[torch.Tensor, list[float], list[float]]:
     """``(loss, per-step losses, per-step top-1 agreement with the target)`` of ``head`` unrolled for ``steps``
     draft steps over ``batch``; ``embedding`` [V, H] is the target's (frozen). The loss is a 0-dim tensor to
     backpropagate; the lists are floats (NaN for a step with no row)."""
-    b, t = batch.input_ids.shape
-    dev = batch.input_ids.device
-    base_pos = torch.arange(t, device=dev).expand(b, t)  # (B, T)
-    hidden = head.fuse(batch.aux.to(head.fc.weight.dtype))  # (B, T, H)
-    cache: list[tuple[torch.Tensor, torch.Tensor]] = []
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
     weight_sum = 0.0
     losses, accs = [], []
-    for j in range(steps):
-        ids = _shift_left(batch.input_ids, 1 + j, 0)  # (B, T) token p + 1 + j
-        embeds = F.embedding(ids, embedding).to(hidden.dtype)  # (B, T, H)
-        hidden = head.step(embeds, hidden, base_pos + j, cache)  # (B, T, H)
+    for j, hidden in enumerate(unroll(head, embedding, batch.input_ids, batch.aux, steps)):
         rows = _shift_left(batch.row_of, 1 + j, -1)  # (B, T) target row p + 1 + j, if it is a valid one
         keep = rows >= 0
         if not bool(keep.any()):
