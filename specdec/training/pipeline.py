@@ -123,10 +123,7 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     del llm, engine  # the target is no longer needed: its features are on disk
     head_cfg = Eagle3Config.from_dict(head_raw)
     longest = max(len(s.ids) for s in samples)
-    head = TrainHead(head_cfg, max_positions=longest + cfg.ttt_steps + 1).to(device)
-    with torch.no_grad():  # NOTE: midlayer and fc start random (nn.Linear's init, as SpecForge); the LM head and
-        head.lm_head.weight.copy_(lm_rows)  # final norm start as the target's (its rows of the draft vocabulary)
-        head.norm.weight.copy_(final_norm)
+    head = initial_head(head_cfg, lm_rows, final_norm, longest + cfg.ttt_steps + 1, cfg.seed).to(device)
 
     steps = cfg.steps or math.ceil(cfg.epochs * math.ceil(len(samples) / cfg.batch_size))
     loop = LoopConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, ttt_steps=cfg.ttt_steps,
@@ -149,6 +146,20 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     with open(out / "summary.json", "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=2)
     return summary
+
+
+def initial_head(head_cfg: Eagle3Config, lm_rows: torch.Tensor, final_norm: torch.Tensor, max_positions: int,
+                 seed: int) -> TrainHead:
+    """The head training starts from (CPU, fp32): ``fc`` and ``midlayer`` random (``nn.Linear``'s init under
+    ``seed``, as SpecForge starts), the LM head the target's rows of the draft vocabulary ``lm_rows`` [D, H] and
+    the final norm the target's ``final_norm`` [H] (a head whose output resembles the target's last hidden state
+    then predicts as the target does)."""
+    torch.manual_seed(seed)
+    head = TrainHead(head_cfg, max_positions)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(lm_rows)
+        head.norm.weight.copy_(final_norm)
+    return head
 
 
 def _prompts(llm, cfg: TrainDraftConfig, data_dir: Path) -> list[str]:
