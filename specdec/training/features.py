@@ -63,8 +63,10 @@ def target_features(engine, items: list[list[int]], aux_layers: tuple[int, ...],
 
 
 def write_features(engine, samples: list[Sample], features_dir: str | os.PathLike, aux_layers: tuple[int, ...],
-                   storage_dtype: torch.dtype = torch.bfloat16, max_batch_tokens: int = 2048) -> None:
-    """Write the features of every sample without a file yet, batching up to ``max_batch_tokens`` tokens."""
+                   storage_dtype: torch.dtype = torch.bfloat16, max_logits_bytes: int = 256 << 20) -> None:
+    """Write the features of every sample without a file yet, batching as many tokens as keep the forward's fp32
+    logits ``[tokens, V]`` under ``max_logits_bytes`` (a longer sample goes alone)."""
+    max_batch_tokens = max(1, max_logits_bytes // (4 * engine.model.config.vocab_size))
     features_dir = Path(features_dir)
     features_dir.mkdir(parents=True, exist_ok=True)
     todo = [i for i in range(len(samples)) if not feature_file(features_dir, i).is_file()]

@@ -8,6 +8,7 @@ training-time-test training -> the head in the published layout, in ``OUT/``.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -121,6 +122,7 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     with open(Path(engine.config.model_path) / "config.json", encoding="utf-8") as f:
         head_raw = head_config_dict(json.load(f), int(d2t.numel()), aux_layers)
     del llm, engine  # the target is no longer needed: its features are on disk
+    gc.collect()
     head_cfg = Eagle3Config.from_dict(head_raw)
     longest = max(len(s.ids) for s in samples)
     head = initial_head(head_cfg, lm_rows, final_norm, longest + cfg.ttt_steps + 1, cfg.seed).to(device)

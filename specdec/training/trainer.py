@@ -44,7 +44,8 @@ class LoopConfig:
 @dataclass
 class LoopResult:
     step: int  # the steps done in all (resumed ones included)
-    history: list[dict] = field(default_factory=list)  # {"step", "loss", "step_loss", "top1"} per step
+    # per step: {"step", "loss", "step_loss", "top1", "lr", "seconds", "rows" (answer rows with a target)}
+    history: list[dict] = field(default_factory=list)
     seconds: float = 0.0  # this run's training time
 
 
@@ -100,6 +101,7 @@ def train_loop(head: TrainHead, embedding: torch.Tensor, make_batch: Callable[[l
     head.train()
     with tqdm(total=cfg.steps, initial=result.step, desc="train", unit="step") as bar:
         while result.step < cfg.steps:
+            step_start = time.perf_counter()
             batch = make_batch(batch_indices(result.step, num_samples, cfg.batch_size, cfg.seed))
             with autocast:
                 loss, step_losses, top1 = ttt_loss(head, embedding, batch, cfg.ttt_steps, cfg.decay)
@@ -110,7 +112,8 @@ def train_loop(head: TrainHead, embedding: torch.Tensor, make_batch: Callable[[l
             sched.step()
             result.step += 1
             record = {"step": result.step, "loss": float(loss.detach()), "step_loss": step_losses, "top1": top1,
-                      "lr": sched.get_last_lr()[0]}
+                      "lr": sched.get_last_lr()[0], "seconds": time.perf_counter() - step_start,
+                      "rows": int(batch.valid.sum())}
             result.history.append(record)
             if log_file is not None:
                 with open(log_file, "a", encoding="utf-8") as f:

@@ -50,5 +50,8 @@ def write_head(out_dir: str | os.PathLike, config_dict: dict, tensors: dict[str,
     tmp = out_dir / "model.safetensors.tmp"
     save_file(all_tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out_dir / "model.safetensors")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out_dir / "model.safetensors", 0o666 & ~umask)  # NOTE: safetensors creates its file owner-only
     with open(out_dir / "config.json", "w", encoding="utf-8") as f:
         json.dump(config_dict, f, indent=2)
