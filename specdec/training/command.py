@@ -33,6 +33,9 @@ def add_parser(sub, formatter_class) -> None:
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     p.add_argument("--dtype", default="auto", help="the target's dtype, as LLM(dtype=); the head trains in fp32")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the target and head run")
+    p.add_argument("--no-prepack", dest="prepack_weights", action="store_false", default=None,
+                   help="as LLM(prepack_weights=False): no second, prepacked copy of the target's weights on CPU "
+                        "(a 1.5B bf16 target: 7.9 GB resident with it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoints' latest checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order, init and sampled answers")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
 
     fields = ("target", "out_dir", "prompts", "self_prompts", "max_prompts", "max_new_tokens", "temperature",
               "draft_vocab_size", "ttt_steps", "epochs", "steps", "batch_size", "lr", "checkpoint_every", "dtype",
-              "device", "threads", "resume", "seed")
+              "device", "threads", "resume", "seed", "prepack_weights")
     summary = train_draft(TrainDraftConfig(**{f: getattr(args, f) for f in fields}))
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     print(f"wrote the head to {args.out_dir}")

@@ -54,6 +54,7 @@ class TrainDraftConfig:
     resume: bool = False
     seed: int = 0
     gen_batch_size: int = 16
+    prepack_weights: bool | None = None  # as LLM(prepack_weights=): False saves a second copy of the weights on CPU
 
     def __post_init__(self):
         if self.prompts is not None and self.self_prompts is not None:
@@ -92,7 +93,7 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
     torch.manual_seed(cfg.seed)
     summary: dict = {"config": asdict(cfg)}
     llm = specdec.LLM(cfg.target, dtype=cfg.dtype, device=cfg.device, max_model_len=None,
-                      seed=cfg.seed)
+                      seed=cfg.seed, prepack_weights=cfg.prepack_weights)
     engine = llm.engine
     target_cfg = engine.model.config
     aux_layers = default_aux_layers(target_cfg.num_hidden_layers)
