@@ -1,4 +1,5 @@
-"""Command line: ``specdec generate``, ``specdec serve``, ``specdec demo`` and ``specdec convert`` (also
+"""Command line: ``specdec generate``, ``specdec serve``, ``specdec demo``, ``specdec convert`` and
+``specdec train-draft`` (specdec/training/command.py) (also
 ``python -m specdec``).
 
 The sampling options of ``generate`` take their defaults from the fields of :class:`specdec.SamplingParams`
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
 from specdec.config import TREE_POLICIES, VERIFY_METHODS, parse_tree
+from specdec.training import command as train_command
 
 EXIT_USAGE = 2  # bad arguments or input files (argparse's own code)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -67,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for Llama models",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,demo,convert}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,demo,convert,train-draft}")
     _generate_parser(sub.add_parser("generate", help="generate text from a prompt", formatter_class=_HelpFormatter,
                                     description="Generate text from a prompt; sampling defaults are "
                                                 "specdec.SamplingParams' defaults."))
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _demo_parser(sub.add_parser("demo", help="plain vs speculative (prompt lookup) decoding on a copy-heavy prompt",
                                 formatter_class=_HelpFormatter,
                                 description="Time the same greedy request plain and with prompt lookup."))
+    train_command.add_parser(sub, _HelpFormatter)
     _convert_parser(sub.add_parser("convert", help="convert a .gguf file into a Hugging Face-style folder, once",
                                    formatter_class=_HelpFormatter,
                                    description="Convert a .gguf file into a Hugging Face-style model folder."))
@@ -171,7 +174,8 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 2 bad arguments or input, 130 interrupted)."""
     args = build_parser().parse_args(argv)
-    commands = {"generate": _generate, "serve": _serve, "demo": _demo, "convert": _convert}
+    commands = {"generate": _generate, "serve": _serve, "demo": _demo, "convert": _convert,
+                "train-draft": train_command.run}
     try:
         return commands[args.command](args)
     except ValueError as e:

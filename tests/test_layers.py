@@ -1,7 +1,7 @@
 """Imports run one way, bottom to top (docs/architecture.md, "Layers"):
 
     kernels/, device, outputs -> ops -> model/, cache/, sampling/ -> config, runner/ -> spec_decode/ -> engine/
-    -> llm, serve/, cli (the front ends)
+    -> llm, serve/, training/, cli (the front ends)
 
 A module may import its own layer and the layers below it, never one above: a proposer never reaches into the
 engine, verification never imports a proposer's request type, the runner never imports speculative decoding. Every
@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("specdec.config", "specdec.runner"),
     ("specdec.spec_decode",),
     ("specdec.engine",),
-    ("specdec.llm", "specdec.serve", "specdec.cli", "specdec.__main__", "specdec"),
+    ("specdec.llm", "specdec.serve", "specdec.training", "specdec.cli", "specdec.__main__", "specdec"),
 ]
 
 

@@ -102,6 +102,15 @@ def iter_weight_entries(path: str) -> Iterator[tuple[str, TensorEntry]]:
             yield entry.name, entry
 
 
+def read_checkpoint_tensor(path: str, name: str) -> torch.Tensor:
+    """One tensor of the model folder ``path`` by its HF name (with or without the ``model.`` prefix), read into
+    memory in its stored dtype; ``ValueError`` if the folder has none."""
+    for entry_name, entry in iter_weight_entries(path):
+        if entry_name.removeprefix("model.") == name.removeprefix("model."):
+            return entry.read()
+    raise ValueError(f"{path} has no tensor {name!r}")
+
+
 def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the model folder ``path``, read into memory one at a time (stored dtype, CPU)."""
     for name, entry in iter_weight_entries(path):
