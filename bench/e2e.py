@@ -185,11 +185,43 @@ def round_mix(row: dict, k: int, c: float, verify: list[float]) -> float | None:
     return (f * tau + 1 - f) / (f * (k_bar * c + v_bar) + 1 - f)
 
 
-def measure_costs(target, draft, config, draft_config, batch: int, context: int, k: int, reps: int = 3) -> dict:
-    """c and v(j), j = 1..k, at batch size ``batch`` from timed forwards of the engine's own models."""
+def eagle3_step_seconds(head, batch: int, context: int, reps: int = 3, block_size: int = 16) -> float:
+    """Median seconds of one EAGLE-3 draft step (the head's one-layer forward and LM head over one new token per
+    sequence, ``context`` tokens cached) at batch size ``batch``, on a scratch pool of the head's own layer."""
+    from specdec.cache.block_manager import BlockManager
+    from specdec.cache.kv_pool import KVPool
+    from specdec.runner.model_runner import ForwardItem, ModelRunner
+
+    config = head.config.layer
+    param = next(p for p in head.parameters() if not p.is_meta)
+    total, blocks = context + 1, -(-(context + 1) // block_size)
+    pool = KVPool(config, batch * blocks, block_size, param.dtype, param.device)
+    manager = BlockManager(batch * blocks, block_size)
+    runner = ModelRunner(head, pool, manager, param.device)
+    items = []
+    for seq_id in range(batch):
+        manager.allocate(seq_id, total)
+        items.append(ForwardItem(seq_id, [1], context, 1))
+    hidden = torch.zeros(batch, config.hidden_size, dtype=param.dtype, device=param.device)
+
+    def step():
+        meta, ids, positions, logits_indices = runner.prepare(items)
+        return head(ids, positions, hidden, pool.tensors, meta, logits_indices)
+
+    step()  # warm-up
+    return median([timed(step)[0] for _ in range(reps)])
+
+
+def measure_costs(target, draft, config, draft_config, batch: int, context: int, k: int, reps: int = 3,
+                  eagle3_head=None) -> dict:
+    """c and v(j), j = 1..k, at batch size ``batch`` from timed forwards of the engine's own models (c of an
+    EAGLE-3 head: one head step, ``eagle3_step_seconds``, over a target decode)."""
     one = forward_seconds(target, config, batch, context, 1, reps)
     windows = [forward_seconds(target, config, batch, context, j + 1, reps) for j in range(1, k + 1)]
-    draft_one = forward_seconds(draft, draft_config, batch, context, 1, reps) if draft is not None else None
+    if eagle3_head is not None:
+        draft_one = eagle3_step_seconds(eagle3_head, batch, context, reps)
+    else:
+        draft_one = forward_seconds(draft, draft_config, batch, context, 1, reps) if draft is not None else None
     return {"context": context, "target_1_ms": 1e3 * one, "target_j_plus_1_ms": [1e3 * w for w in windows],
             "draft_1_ms": 1e3 * draft_one if draft_one is not None else None,
             "c": draft_one / one if draft_one is not None else 0.0, "v": [w / one for w in windows],
@@ -317,7 +349,7 @@ def plot(path: Path, results: dict, title: str) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2", help="folder, or smollm2 | qwen-0.5b | qwen-1.5b")
-    parser.add_argument("--draft", default=None, help="draft model for draft_model / combined (folder or alias)")
+    parser.add_argument("--draft", default=None, help="draft model for draft_model / combined, or the EAGLE-3 head folder for eagle3")
     parser.add_argument("--method", choices=SPECULATIVE_METHODS, required=True)
     parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--verify", choices=VERIFY_METHODS, default="token",
@@ -381,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     drafter = spec_llm.engine.speculative.proposer
     drafter = getattr(drafter, "draft_model", drafter)  # the combined drafter holds the draft-model drafter
     runner = getattr(drafter, "runner", None)
-    draft_model, draft_config = (runner.model, drafter.config) if runner is not None else (None, None)
+    eagle3_head = getattr(drafter, "head", None) if args.method == "eagle3" else None
+    draft_model, draft_config = (runner.model, drafter.config) if runner is not None and eagle3_head is None \
+        else (None, None)
 
     results: dict = {"phase_a": {}, "costs": {}}
     for batch in args.batch:
@@ -391,7 +425,8 @@ def main(argv: list[str] | None = None) -> int:
         results["costs"][str(batch)] = {}
         for cls, row in rows.items():
             context = round(sum(len(p) for p in ids[cls]) / len(ids[cls]) + args.max_tokens / 2)
-            costs = measure_costs(target_model, draft_model, config, draft_config, batch, context, args.k)
+            costs = measure_costs(target_model, draft_model, config, draft_config, batch, context, args.k,
+                                  eagle3_head=eagle3_head)
             results["costs"][str(batch)][cls] = costs
             row["c"], row["v_k"] = costs["c"], costs["v_k"]
             row["predicted_theorem_3_8"] = improvement(row["alpha"], args.k, costs["c"])
@@ -402,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in args.batch and not args.no_transformers:
         mode = "separate" if args.transformers_separate else "interleaved"
         print(f"phase B, batch 1: ours vs transformers ({mode})", flush=True)
-        del plain, plain_llm, target_model, draft_model, drafter, runner
+        del plain, plain_llm, target_model, draft_model, drafter, runner, eagle3_head
         if args.transformers_separate:
             del spec, spec_llm
         gc.collect()
