@@ -42,11 +42,12 @@ class LLMEngine:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.device = config.device
         self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
-                                self.model_config, config.prepack_weights)
+                                self.model_config, config.prepack_weights, config.quantization,
+                                config.quantization_group_size, config.gguf_source)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype, config.device)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
-        self.speculative = SpeculativeDecoder(config, speculative, self.tokenizer) if speculative else None
+        self.speculative = SpeculativeDecoder(config, speculative, self.tokenizer, self.model) if speculative else None
         # the target's pool first (its prefix cache decides where a request starts), then the proposer's, allocated
         # in lockstep; a decoding request reserves its lookahead (speculation budget) beyond its last token
         self.block_managers = [self.block_manager, *(self.speculative.block_managers if self.speculative else [])]

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
 from specdec.model.config import ModelConfig, resolve_dtype
+from specdec.model.llama import LlamaForCausalLM
 from specdec.model.loader import load_model, resolve_model_path
 from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
@@ -21,7 +22,8 @@ from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 
 def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
                    timer: ForwardTimer | None = None,
-                   on_draft_forward: Callable[[int, float], None] | None = None) -> Proposer:
+                   on_draft_forward: Callable[[int, float], None] | None = None,
+                   target_model: LlamaForCausalLM | None = None) -> Proposer:
     """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram", or "combined" (a model-free
     lookup first, the draft model for the requests it has nothing for).
 
@@ -29,11 +31,12 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
         config: the engine's config (the target model, pool sizes, device).
         tokenizer: the target's, to check a draft model's vocabulary against (None: the model folder has none).
         timer, on_draft_forward: adaptive k's draft timings (None when adaptive k is off).
+        target_model: the target (a ``draft_model="self"`` draft shares its embedding, and its LM head when tied).
     Raises ``ValueError`` when the draft model cannot draft for this target (proposers/compat.py).
     """
     model = None
     if spec.uses_draft_model:
-        model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward)
+        model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward, target_model)
     if spec.method == "draft_model":
         return model
     lookup = _model_free(spec, spec.combined_lookup if spec.method == "combined" else spec.method)
@@ -47,17 +50,31 @@ def _model_free(spec: SpeculativeConfig, method: str) -> ModelFreeProposer:
 
 
 def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
-                      timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None
-                      ) -> DraftModelProposer:
-    path = resolve_model_path(spec.draft_model)
-    draft_config = ModelConfig.from_json(path)
-    check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
-                           config.eos_token_ids, eos_ids(path, draft_config))
+                      timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None,
+                      target_model: LlamaForCausalLM | None = None) -> DraftModelProposer:
+    is_self = spec.draft_model == "self"
+    path = config.model_path if is_self else resolve_model_path(spec.draft_model)
+    gguf_source = config.gguf_source if is_self else (spec.draft_model if spec.draft_model.endswith(".gguf") else None)
+    draft_config = config.model_config if is_self else ModelConfig.from_json(path)
+    if not is_self:
+        check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
+                               config.eos_token_ids, eos_ids(path, draft_config))
     dtype = resolve_dtype(spec.draft_dtype, draft_config, config.device) if spec.draft_dtype else config.dtype
+    shared = None
+    if is_self:
+        if target_model is None:
+            raise ValueError("draft_model='self' needs the target model to share its embedding with")
+        if dtype != config.dtype:
+            raise ValueError(f"draft_model='self' shares the target's embedding, so draft_dtype must be the target's "
+                             f"({config.dtype}), got {dtype}")
+        shared = target_model.embed_tokens.weight
     # the draft writes positions up to max_model_len - 1 at most, like the target
     max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
     model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
-                       False if config.prepack_weights is False else None)  # its dtype may not support prepacking
+                       False if config.prepack_weights is False else None,  # its dtype may not support prepacking
+                       spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared)
+    if is_self and draft_config.tie_word_embeddings:
+        model.lm_head = target_model.lm_head  # the tied head is the embedding's rows (and their packed copy): share
     tree_shape = None
     if spec.uses_tree:
         tree_shape = TreeShape(spec.tree if isinstance(spec.tree, list) else None, spec.tree_max_branch)
