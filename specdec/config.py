@@ -114,8 +114,25 @@ class EngineConfig:
 
     @property
     def gguf_source(self) -> str | None:
-        """The .gguf file the model folder was converted from (its blocks can be kept quantised), or None."""
-        return self.model if isinstance(self.model, str) and self.model.endswith(".gguf") else None
+        """The .gguf file the model folder was converted from (its blocks can be kept quantised), or None: the
+        file given as ``model``, or the default model's (its folder records the GGUF it was converted from)."""
+        return gguf_source_of(self.model, self.model_path)
+
+
+def gguf_source_of(model: str, model_path: str) -> str | None:
+    """The GGUF behind ``model`` (as given) / ``model_path`` (resolved folder), or None (see EngineConfig)."""
+    if isinstance(model, str) and model.endswith(".gguf"):
+        return model
+    from specdec.model.default_model import DEFAULT_MODEL_GGUF, default_gguf_path
+    from specdec.model.gguf import read_conversion_record
+
+    record = read_conversion_record(model_path)
+    if record is None or record.get("source") != DEFAULT_MODEL_GGUF:
+        return None
+    try:
+        return str(default_gguf_path())
+    except (ModuleNotFoundError, FileNotFoundError):
+        return None
 
 
 def kv_pool_room(model_config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -105,6 +105,7 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     model.load_weights(rest())
     if pending:
         raise ValueError(f"checkpoint is missing linear weights: {sorted(pending)[:8]}")
+    model.quant_counts = counts  # how the linears were made (bench / tests read it)
     return counts
 
 

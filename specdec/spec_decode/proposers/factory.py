@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
+from specdec.config import EngineConfig, SpeculativeConfig, eos_ids, gguf_source_of
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.llama import LlamaForCausalLM
 from specdec.model.loader import load_model, resolve_model_path
@@ -54,7 +54,7 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
                       target_model: LlamaForCausalLM | None = None) -> DraftModelProposer:
     is_self = spec.draft_model == "self"
     path = config.model_path if is_self else resolve_model_path(spec.draft_model)
-    gguf_source = config.gguf_source if is_self else (spec.draft_model if spec.draft_model.endswith(".gguf") else None)
+    gguf_source = config.gguf_source if is_self else gguf_source_of(spec.draft_model, path)
     draft_config = config.model_config if is_self else ModelConfig.from_json(path)
     if not is_self:
         check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
