@@ -13,8 +13,8 @@ others (the row-independence speculative decoding needs). ``quant_matmul_referen
 dequantise to fp32, matmul in fp32 - the arithmetic of the weight-only scheme, up to the order of the sums.
 
 NOTE: memory-bound at these row counts, so no autotuning (STYLE.md 8): fixed tiles, BLOCK_M = 16 (the smallest
-M ``tl.dot`` accepts), BLOCK_N = 64, BLOCK_K = 64. Not yet run on a GPU: interpreter tests and sm_80 / sm_90
-compile checks only.
+M ``tl.dot`` accepts), BLOCK_N = 64, BLOCK_K = 64 (int8) / 32 (int4). Not yet run on a GPU: interpreter tests
+and sm_80 / sm_90 compile checks only (int4 compiles to ~210 registers per thread: no spills, low occupancy).
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import torch
 
 from specdec.kernels._triton import tl, triton
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+BLOCK_M, BLOCK_N = 16, 64
+BLOCK_K = {8: 64, 4: 32}  # int4: 64 spilled on sm_80 / sm_90 (the nibble unpacking's registers); 32 does not
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count changes every step (decode, k+1 windows)
 def _quant_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr,
     M, N, K,
@@ -97,7 +98,7 @@ def quant_matmul_launch(x, qweight, scale, offset, bias, out, bits: int) -> tupl
         "stride_om": out.stride(0),
     }  # fmt: skip
     constexprs = {"GROUP": k // groups, "BITS": bits, "HAS_OFFSET": offset is not None, "HAS_BIAS": bias is not None,
-                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}  # fmt: skip
+                  "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K[bits]}  # fmt: skip
     return grid, args, constexprs, 4
 
 
