@@ -8,8 +8,11 @@ model's):
   fp32 F.linear, bf16 prepacked (oneDNN, ``specdec.model.linear.Linear``), int8 w8a8 (oneDNN int8 GEMM with
   per-row int8 activations; bf16 input), int8 torch ``_weight_int8pack_mm`` (weight-only, bf16), int4 g32 int4pack
   (``_weight_int4pack_mm_for_cpu``, bf16).
-Each repetition times every (path, rows) once, interleaved, so a noisy neighbour hits all paths alike; the table
-gives min and median microseconds per call and the thread count.
+Each repetition times every (rows, path) once, interleaved, so a noisy neighbour hits all paths alike, and writes a
+64 MiB buffer before every call so the weight comes from memory, not from the last-level cache, as it does in a
+model's forward (a model's linears together are far larger than the cache). NOTE: without that flush a 14 MB int8
+weight timed right after itself partly stays in cache and ran up to ~4x faster here. The table gives min and median
+microseconds per call and the thread count.
 """
 
 from __future__ import annotations
@@ -65,14 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         inputs = {(name, m): torch.randn(m, k).to(dtype) for name, (_, dtype) in paths.items() for m in args.rows}
         times: dict[tuple[str, int], list[float]] = {key: [] for key in inputs}
         reps = args.reps if n * k < 50_000_000 else max(3, args.reps // 3)
+        flush = torch.empty(64 * 2**20, dtype=torch.uint8)
         with torch.inference_mode():
             for rep in range(reps + 1):  # the first repetition warms up and is dropped
-                for (name, m), x in inputs.items():
-                    fn = paths[name][0]
-                    start = time.perf_counter()
-                    fn(x)
-                    if rep:
-                        times[(name, m)].append((time.perf_counter() - start) * 1e6)
+                for m in args.rows:
+                    for name, (fn, _) in paths.items():
+                        x = inputs[(name, m)]
+                        flush.add_(1)  # evict the weight from the cache
+                        start = time.perf_counter()
+                        fn(x)
+                        if rep:
+                            times[(name, m)].append((time.perf_counter() - start) * 1e6)
         rows = []
         for name in paths:
             row = [shape, name]
