@@ -74,7 +74,8 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
                            for t in ordered])  # (N, K) fp32, one module
             if group is not None and w.shape[1] % group:
                 raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {w.shape[1]}")
-            q, scale, offset = (*quantize_int8(w, group), None) if quantization == "int8" else quantize_int4(w, group)
+            q, scale, offset = _quantize_rows_in_chunks(w, quantization, group)
+            del w
             counts["quantized"] += 1
         bias = p.bias.detach() if p.bias is not None else None
         ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
@@ -105,8 +106,34 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     model.load_weights(rest())
     if pending:
         raise ValueError(f"checkpoint is missing linear weights: {sorted(pending)[:8]}")
+    _release_freed_heap()
     model.quant_counts = counts  # how the linears were made (bench / tests read it)
     return counts
+
+
+_CHUNK_ROWS = 2048  # rows quantised at a time: per-row schemes, so chunking is exact and caps the temporaries
+
+
+def _quantize_rows_in_chunks(w: torch.Tensor, quantization: str, group: int | None) -> tuple:
+    """``quantize_int8`` / ``quantize_int4`` of ``w [N, K]``, ``_CHUNK_ROWS`` rows at a time (same result: every
+    scale belongs to one row), so the fp32 temporaries stay small beside the module's weight."""
+    parts = []
+    for start in range(0, w.shape[0], _CHUNK_ROWS):
+        chunk = w[start : start + _CHUNK_ROWS]
+        parts.append((*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group))
+    q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return q, scale, torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
+
+
+def _release_freed_heap() -> None:
+    """Give the loader's freed temporaries back to the OS (glibc keeps freed heap pages otherwise, and the process's
+    resident set stays at the loading peak). A no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _linear_of(model, name: str) -> tuple[str | None, int]:
