@@ -109,14 +109,31 @@ def quant_matmul_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.
 
     NOTE: one row at a time: a CPU GEMM picks its kernel (and so its order of sums) by the number of rows, which
     would make a row's result depend on how many rows came with it (decode vs verification window)."""
-    from specdec.model.quant.formats import dequantize
-
     w_t = dequantize(qweight, scale, offset, bits).T  # (K, N) fp32
     x32 = x.float()
     out = torch.cat([x32[i : i + 1] @ w_t for i in range(x32.shape[0])]) if x32.shape[0] else x32 @ w_t  # (M, N)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K // 2]`` -> uint8 ``[N, K]`` values in [0, 15] (column 2j from the low nibble, 2j+1 the high)."""
+    n, half = packed.shape
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, 2 * half)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """fp32 ``[N, K]`` of a quantised weight (``q`` int8 ``[N, K]`` for 8 bits, packed uint8 ``[N, K // 2]`` for 4;
+    ``scale`` / ``offset`` fp32 ``[N, G]``): ``q * scale`` then ``+ offset``, each rounded to fp32 (the order of
+    ``gguf.quants``' dequantisation, so kept GGUF blocks dequantise bit-exactly as gguf's do)."""
+    values = (unpack_int4(q) if bits == 4 else q).float()  # (N, K)
+    n, k = values.shape
+    g = k // scale.shape[1]
+    w = (values.view(n, -1, g) * scale[..., None].float()).view(n, k)  # (N, K)
+    if offset is not None:
+        w = (w.view(n, -1, g) + offset[..., None].float()).view(n, k)
+    return w
 
 
 def check_quant_matmul_args(x, qweight, scale, offset, bias, bits: int) -> None:

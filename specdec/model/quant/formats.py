@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.kernels.quant_matmul import dequantize, unpack_int4  # noqa: F401 (re-exported: the kernel's reference)
+
 BITS = {"int8": 8, "int4": 4}
 INT8_MAX = 127
 INT4_MAX = 15
@@ -57,24 +59,6 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N, K]`` values in [0, 15] -> uint8 ``[N, K // 2]`` (even column low nibble, odd column high)."""
     q = q.to(torch.uint8)
     return q[:, 0::2] | (q[:, 1::2] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[N, K // 2]`` -> uint8 ``[N, K]`` values in [0, 15] (inverse of ``pack_int4``)."""
-    n, half = packed.shape
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(n, 2 * half)
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """fp32 ``[N, K]`` of a quantised weight (``q`` int8 ``[N, K]`` for 8 bits, packed uint8 ``[N, K // 2]`` for 4;
-    ``scale`` / ``offset`` fp32 ``[N, G]``): ``q * scale`` then ``+ offset``, each rounded to fp32."""
-    values = (unpack_int4(q) if bits == 4 else q).float()  # (N, K)
-    n, k = values.shape
-    g = k // scale.shape[1]
-    w = (values.view(n, -1, g) * scale[..., None].float()).view(n, k)  # (N, K)
-    if offset is not None:
-        w = (w.view(n, -1, g) + offset[..., None].float()).view(n, k)
-    return w
 
 
 def _check_groups(k: int, group_size: int) -> None:
