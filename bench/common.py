@@ -53,15 +53,18 @@ def resolve_model(name: str) -> str:
 
 def weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes of weights one decode step reads: every parameter once (tied ones once), but not the embedding
-    table unless it doubles as the LM head (a lookup reads only the rows of the batch's tokens)."""
+    table unless it doubles as the LM head (a lookup reads only the rows of the batch's tokens); a quantised linear
+    by the bytes its path holds (``QuantizedLinear.held_bytes``)."""
     total = 0
     embed = model.embed_tokens.weight
     tied = model.lm_head.weight is embed
+    quantized = [m for m in model.modules() if hasattr(m, "held_bytes")]  # QuantizedLinear: its packed copies
+    inside = {id(p) for m in quantized for p in m.parameters()}
     for param in model.parameters():  # each parameter once (tied ones are one object); released ones are meta
-        if param is embed and not tied:
+        if (param is embed and not tied) or id(param) in inside:
             continue
         total += param.numel() * param.element_size()
-    return total
+    return total + sum(m.held_bytes() for m in quantized)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

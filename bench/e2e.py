@@ -349,7 +349,9 @@ def plot(path: Path, results: dict, title: str) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.e2e", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2", help="folder, or smollm2 | qwen-0.5b | qwen-1.5b")
-    parser.add_argument("--draft", default=None, help="draft model for draft_model / combined, or the EAGLE-3 head folder for eagle3")
+    parser.add_argument("--draft", default=None,
+                        help="draft model for draft_model / combined ('self' with --draft-quantization), or the "
+                             "EAGLE-3 head folder for eagle3")
     parser.add_argument("--method", choices=SPECULATIVE_METHODS, required=True)
     parser.add_argument("--adaptive", action="store_true")
     parser.add_argument("--verify", choices=VERIFY_METHODS, default="token",
@@ -369,6 +371,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="time runs by wall clock, or by process CPU time (a shared, loaded machine)")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", choices=["int8", "int4"], default=None,
+                        help="LLM(quantization=...) of the target (both engines)")
+    parser.add_argument("--draft-quantization", choices=["int8", "int4"], default=None,
+                        help="SpeculativeConfig(draft_quantization=...); with --draft self: a quantised copy of the "
+                             "target drafts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-transformers", action="store_true", help="skip phase B")
     parser.add_argument("--transformers-separate", action="store_true",
@@ -385,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     target_path = resolve_model(args.target)
     draft_path = resolve_model(args.draft) if args.draft else None
     spec_config = specdec.SpeculativeConfig(method=args.method, draft_model=draft_path,
+                                            draft_quantization=args.draft_quantization,
                                             num_speculative_tokens=args.k, adaptive=args.adaptive,
                                             verify=args.verify, tree=parse_tree(args.tree),
                                             tree_budget=args.tree_budget, tree_policy=args.tree_policy)
@@ -399,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     max_model_len = -(-(max(len(p) for ps in ids.values() for p in ps) + args.max_tokens + lookahead + 2) // 16) * 16
     engine_kwargs = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                      "num_kv_blocks": max(args.batch) * (max_model_len // 16 + 1) + 2,
-                     "enable_prefix_caching": False}  # every repetition pays its full prefill, as transformers does
+                     "enable_prefix_caching": False,  # every repetition pays its full prefill, as transformers does
+                     "quantization": args.quantization}
     plain_llm = specdec.LLM(target_path, **engine_kwargs)
     with reuse_target_weights(plain_llm):  # one copy of the target's weights for both engines
         spec_llm = specdec.LLM(target_path, speculative=spec_config, **engine_kwargs)
@@ -453,14 +462,16 @@ def main(argv: list[str] | None = None) -> int:
 
     report(results, args)
     name = "_".join(filter(None, [
-        "e2e", slug(Path(target_path).name), slug(Path(draft_path).name) if draft_path else None, args.method,
+        "e2e", slug(Path(target_path).name), args.quantization,
+        slug(Path(draft_path).name) if draft_path else None, args.draft_quantization, args.method,
         "adaptive" if args.adaptive else None, "block" if args.verify == "block" else None, f"k{args.k}",
         "b" + "-".join(map(str, args.batch)),
         f"T{args.temperature:g}", f"t{args.threads}",
     ]))
     path = write_json(name, {
         "meta": {**meta, "target": target_path, "draft": draft_path, "target_config": model_sizes(target_path),
-                 "draft_config": model_sizes(draft_path), "method": args.method,
+                 "draft_config": model_sizes(draft_path) if draft_path != "self" else None, "method": args.method,
+                 "quantization": args.quantization, "draft_quantization": args.draft_quantization,
                  "adaptive": args.adaptive, "verify": args.verify, "k": args.k, "temperature": args.temperature,
                  "batch": args.batch,
                  "max_tokens": args.max_tokens, "reps": args.reps, "dtype": args.dtype, "threads": args.threads,

@@ -2,11 +2,14 @@
 their running format and its KV pool; load time and plain decode speed beside them.
 
     python -m bench.footprint --models smollm2 qwen-0.5b qwen-1.5b --dtypes float32 bfloat16 [--python OTHER]
+    python -m bench.footprint --models smollm2 --dtypes bfloat16 --quantizations none int8 int4
 
 Every (model, dtype) runs in a fresh process (max RSS is per process): the engine is built with
 ``specdec.LLM(model, dtype=...)`` (prepacked linears where supported, the default), one short prompt is decoded
 greedily, and the process reports VmRSS before loading (torch and specdec imported), after, and VmHWM (peak).
 ``--python`` runs the same measurement with another tree's interpreter (old vs new, alternated per model).
+``--quantizations``: ``LLM(quantization=...)`` values ("none" = unquantised); held weights then count each
+quantised linear's packed copies (``QuantizedLinear.held_bytes``).
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ def mib(field):
             return int(line.split()[1]) / 1024
 
 path, dtype, tokens = sys.argv[1], sys.argv[2], int(sys.argv[4])
+quantization = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "none" else None
 before = mib("VmRSS")
 start = time.perf_counter()
-llm = specdec.LLM(path, dtype=dtype, max_model_len=512)
+llm = specdec.LLM(path, dtype=dtype, max_model_len=512, **({"quantization": quantization} if quantization else {}))
 load_s = time.perf_counter() - start
 after = mib("VmRSS")
 model = llm.engine.model
@@ -41,6 +45,10 @@ params = sum(p.numel() * p.element_size() for p in model.parameters())
 packed = sum(getattr(m, "packed_weight").nbytes for m in model.modules()
              if getattr(m, "packed_weight", None) is not None)
 released = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
+quantized = [m for m in model.modules() if hasattr(m, "held_bytes")]
+inside = {id(p) for m in quantized for p in m.parameters()}
+params = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
+quant_bytes = sum(m.held_bytes() for m in quantized)
 pool = sum(t.numel() * t.element_size() for t in llm.engine.runner.pool.tensors)
 sp = specdec.SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params=specdec.SamplingParams(temperature=0, max_tokens=4))
@@ -49,16 +57,17 @@ llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params=sp)
 decode = tokens / (time.perf_counter() - start)
 print(json.dumps({"rss_before_mib": before, "rss_after_mib": after, "peak_mib": mib("VmHWM"), "load_s": load_s,
                   "param_mib": params / 2**20,
-                  "held_weights_mib": (params - released + packed) / 2**20, "pool_mib": pool / 2**20,
+                  "held_weights_mib": (params - released + packed + quant_bytes) / 2**20, "pool_mib": pool / 2**20,
+                  "quantized_linears": len(quantized), "quant_counts": getattr(model, "quant_counts", None),
                   "decode_tok_s": decode, "dtype": str(next(p for p in model.parameters()).dtype)}))
 """
 
 
-def measure(python: str, path: str, dtype: str, threads: int, tokens: int) -> dict:
+def measure(python: str, path: str, dtype: str, threads: int, tokens: int, quantization: str = "none") -> dict:
     # cwd outside any tree: with -c the working directory comes first on sys.path and would shadow the
     # interpreter's own (editable) specdec - an "old" interpreter run from here would import this tree's code
-    out = subprocess.run([python, "-c", CHILD, path, dtype, str(threads), str(tokens)], capture_output=True,
-                         text=True, check=False, cwd=tempfile.gettempdir())
+    out = subprocess.run([python, "-c", CHILD, path, dtype, str(threads), str(tokens), quantization],
+                         capture_output=True, text=True, check=False, cwd=tempfile.gettempdir())
     if out.returncode != 0:
         return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or [f"exit {out.returncode}"]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -70,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["auto"], help="LLM(dtype=...) values")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded after a warm-up")
+    parser.add_argument("--quantizations", nargs="+", default=["none"], help="none | int8 | int4 (LLM(quantization=))")
     parser.add_argument("--python", default=None, help="also run with this interpreter (another tree: old vs new)")
     add_record_flag(parser)
     args = parser.parse_args(argv)
@@ -77,21 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], []
     for name in args.models:
         path = resolve_model(name)
-        for dtype in args.dtypes:
+        for dtype, quant in ((d, q) for d in args.dtypes for q in args.quantizations):
             for label, python in interpreters.items():
-                r = {"model": name, "dtype_asked": dtype, "tree": label, **measure(python, path, dtype, args.threads,
-                                                                                    args.tokens)}
+                r = {"model": name, "dtype_asked": dtype, "quantization": quant, "tree": label,
+                     **measure(python, path, dtype, args.threads, args.tokens, quant)}
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 if "error" in r:
                     continue
                 grew = r["rss_after_mib"] - r["rss_before_mib"]
-                rows.append([name, dtype, label, r["dtype"].removeprefix("torch."), round(r["param_mib"]),
+                rows.append([name, dtype, quant, label, r["dtype"].removeprefix("torch."),
+                             round(r["held_weights_mib"]),
                              round(r["pool_mib"]), round(r["rss_after_mib"]), round(grew),
-                             round(grew / (r["param_mib"] + r["pool_mib"]), 2), round(r["peak_mib"]),
+                             round(grew / (r["held_weights_mib"] + r["pool_mib"]), 2), round(r["peak_mib"]),
                              round(r["load_s"], 1), round(r["decode_tok_s"], 2)])
-    print_table(rows, ["model", "dtype", "tree", "runs in", "weights MiB", "pool MiB", "RSS MiB", "RSS grew",
-                       "grew/(params+pool)", "peak MiB", "load s", "decode tok/s"])
+    print_table(rows, ["model", "dtype", "quant", "tree", "runs in", "held weights MiB", "pool MiB", "RSS MiB",
+                       "RSS grew", "grew/(held+pool)", "peak MiB", "load s", "decode tok/s"])
     write_json("footprint", {"meta": {**machine_info(), "threads": args.threads, "tokens": args.tokens},
                              "results": results}, args.record)
     return 0

@@ -113,6 +113,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="as LLM(enable_prefix_caching=False): compute every prompt in full, share no KV blocks")
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4"),
+                        help="as LLM(quantization=): int8 per channel or int4 per group (default: none)")
+    parser.add_argument("--quantization-group-size", type=_positive_int, default=None,
+                        help="as LLM(quantization_group_size=): default int8 per channel, int4 32")
 
 
 def _serve_parser(serve: argparse.ArgumentParser) -> None:
@@ -155,7 +159,10 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-method", default=None,
                        help="draft_model | ngram | prompt_lookup | combined | eagle3 (default: plain decoding)")
     group.add_argument("--draft-model", default=None,
-                       help="draft model for draft_model / combined; the EAGLE-3 head for eagle3")
+                       help="draft model for draft_model / combined ('self': the target's checkpoint again); the "
+                            "EAGLE-3 head for eagle3")
+    group.add_argument("--draft-quantization", default=None, choices=("int8", "int4"),
+                       help="as SpeculativeConfig(draft_quantization=)")
     group.add_argument("--num-speculative-tokens", type=int, default=_speculative_default("num_speculative_tokens"),
                        help="k, the most tokens drafted per round")
     group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
@@ -221,11 +228,13 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if args.speculative_method is None:
         if args.draft_model is not None:
             raise ValueError("--draft-model needs --speculative-method draft_model, combined or eagle3")
+        if getattr(args, "draft_quantization", None) is not None:
+            raise ValueError("--draft-quantization needs --speculative-method draft_model or combined")
         return None
     return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
                              num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
                              verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget,
-                             tree_policy=args.tree_policy)
+                             tree_policy=args.tree_policy, draft_quantization=args.draft_quantization)
 
 
 def _model_path(model: str | None) -> str:
@@ -278,7 +287,8 @@ def _serve(args: argparse.Namespace) -> int:
     run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting, args.shutdown_timeout,
                speculative, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
-               enable_prefix_caching=args.enable_prefix_caching)
+               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+               quantization_group_size=args.quantization_group_size)
     return 0
 
 
@@ -292,7 +302,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative,
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+              quantization_group_size=args.quantization_group_size)
     prompt = args.prompt
     if args.chat:
         if llm.tokenizer is None:

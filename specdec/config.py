@@ -13,6 +13,7 @@ from specdec.cache.kv_pool import KVPool
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import available_memory_bytes, check_prepack_option
 from specdec.model.loader import resolve_model_path
+from specdec.model.quant.linear import check_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class EngineConfig:
     # enable_static_forward, specdec/runner/cuda_graphs.py); True: every forward eager. No effect on CPU
     # (docs/architecture.md, "CUDA graphs and the static forward").
     enforce_eager: bool = False
+    quantization: str | None = None  # None | "int8" | "int4": the target's linears (specdec/model/quant/)
+    quantization_group_size: int | None = None  # None: the scheme's default (int8 per channel, int4 32)
 
     @classmethod
     def create(
@@ -57,6 +60,8 @@ class EngineConfig:
         prepack_weights: bool | None = None,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
+        quantization: str | None = None,
+        quantization_group_size: int | None = None,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -72,6 +77,7 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
+        check_quantization(quantization, quantization_group_size)
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
         torch_dtype = resolve_dtype(dtype, model_config, dev)
@@ -89,7 +95,7 @@ class EngineConfig:
         if num_kv_blocks is None:
             per_block = KVPool.bytes_per_block(model_config, block_size, torch_dtype)
             pool_bytes = int(kv_cache_memory_gb * 2**30)
-            room = kv_pool_room(model_config, torch_dtype, dev)
+            room = kv_pool_room(model_config, torch_dtype, dev, quantization)
             if room < pool_bytes:
                 logger.warning("the KV pool is capped at %.2f GB (kv_cache_memory_gb=%s): half of the memory the "
                                "weights leave available", room / 1e9, kv_cache_memory_gb)
@@ -104,17 +110,41 @@ class EngineConfig:
                              f"max(2048, max_model_len)), got {max_num_batched_tokens!r}")
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
                    num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching,
-                   enforce_eager)
+                   enforce_eager, quantization, quantization_group_size)
+
+    @property
+    def gguf_source(self) -> str | None:
+        """The .gguf file the model folder was converted from (its blocks can be kept quantised), or None: the
+        file given as ``model``, or the default model's (its folder records the GGUF it was converted from)."""
+        return gguf_source_of(self.model, self.model_path)
 
 
-def kv_pool_room(model_config: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+def gguf_source_of(model: str, model_path: str) -> str | None:
+    """The GGUF behind ``model`` (as given) / ``model_path`` (resolved folder), or None (see EngineConfig)."""
+    if isinstance(model, str) and model.endswith(".gguf"):
+        return model
+    from specdec.model.default_model import DEFAULT_MODEL_GGUF, default_gguf_path
+    from specdec.model.gguf import read_conversion_record
+
+    record = read_conversion_record(model_path)
+    if record is None or record.get("source") != DEFAULT_MODEL_GGUF:
+        return None
+    try:
+        return str(default_gguf_path())
+    except (ModuleNotFoundError, FileNotFoundError):
+        return None
+
+
+def kv_pool_room(model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 quantization: str | None = None) -> int:
     """Bytes the KV pool may take on CPU: half of what the memory available now (``MemAvailable``) leaves once the
     weights are loaded (their bytes in ``dtype``), so that ``kv_cache_memory_gb`` never pushes a model that fits
     into swap or the OOM killer. Unbounded on CUDA (the pool is sized in GiB there) or where it is not known."""
     available = available_memory_bytes() if device.type == "cpu" else None
     if available is None:
         return 2**62
-    weights = model_config.num_params * torch.empty((), dtype=dtype).element_size()
+    per_param = {"int8": 1.0, "int4": 0.75}.get(quantization, torch.empty((), dtype=dtype).element_size())
+    weights = int(model_config.num_params * per_param)  # quantised: ~ the linears' bytes (a bound, not exact)
     return max(0, (available - weights) // 2)
 
 
@@ -167,11 +197,16 @@ class SpeculativeConfig:
             suffix; vLLM calls this "ngram"), "combined" (a model-free match when there is one, else the draft
             model), or "eagle3" (an EAGLE-3 head drafts from the target's own hidden states; docs/architecture.md,
             "EAGLE-3 heads").
-        draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined"), or the EAGLE-3
-            head's folder / hub id in the published ``LlamaForCausalLMEagle3`` layout (method "eagle3").
+        draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined"); "self": the
+            target's own checkpoint loaded again as the draft (with ``draft_quantization``: a quantised copy of the
+            target), sharing the target's tokenizer and embedding tensor; or the EAGLE-3 head's folder / hub id in
+            the published ``LlamaForCausalLMEagle3`` layout (method "eagle3").
         num_speculative_tokens: k, the most tokens drafted per round (>= 1).
         draft_dtype: the draft's dtype; None = the target's. Losslessness does not depend on it: the accept test
             uses exactly the q the draft sampled from.
+        draft_quantization / draft_quantization_group_size: quantise the draft's linears ("int8" per channel, "int4"
+            per group of 32 by default; specdec/model/quant/), independently of the target's ``LLM(quantization=)``.
+            Lossless either way: it only changes the proposals.
         ngram_min_order / ngram_max_order / ngram_window: n-gram orders (2..4 = contexts of 1..3 tokens) and the
             sliding window of tokens the tables describe.
         prompt_lookup_min / prompt_lookup_max: suffix lengths tried, longest first.
@@ -217,6 +252,8 @@ class SpeculativeConfig:
     tree_max_branch: int = 4
     tree_max_batch_size: int = 4
     tree_policy: str = "measured"
+    draft_quantization: str | None = None
+    draft_quantization_group_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -244,6 +281,10 @@ class SpeculativeConfig:
         if self.cost_model is not None and not self.adaptive and not (self.tree is not None and
                                                                        self.tree_policy == "measured"):
             raise ValueError("cost_model is only used with adaptive=True or a tree with tree_policy='measured'")
+        check_quantization(self.draft_quantization, self.draft_quantization_group_size, "draft_quantization")
+        if self.draft_quantization is not None and not uses_model:
+            raise ValueError(f"draft_quantization needs a draft model (method 'draft_model' or 'combined'), not "
+                             f"{self.method!r}")
         if self.verify not in VERIFY_METHODS:
             raise ValueError(f"verify {self.verify!r} is not supported; supported: {VERIFY_METHODS}")
         self._check_tree()

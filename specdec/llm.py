@@ -34,6 +34,11 @@ class LLM:
             verification windows of one length - replay CUDA graphs captured lazily per batch-size bucket (a
             failed capture falls back to eager with a warning); no effect on CPU, which runs eager
             (docs/architecture.md, "CUDA graphs and the static forward"; not yet run on a GPU).
+        quantization: None, "int8" (symmetric, per output channel) or "int4" (asymmetric, per group of
+            ``quantization_group_size`` input columns, default 32): every linear but an LM head tied to the
+            embedding, quantised while loading. A GGUF's Q4_0 / Q4_1 / Q8_0 blocks are kept as they are where the
+            format maps exactly (group 32). On CPU int8 runs oneDNN's int8 GEMM with per-row int8 activations and
+            int4 torch's int4 kernel in bf16 (docs/guarantees.md: a quantised target is a different target).
     """
 
     def __init__(
@@ -52,6 +57,8 @@ class LLM:
         prepack_weights: bool | None = None,
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
+        quantization: str | None = None,
+        quantization_group_size: int | None = None,
     ):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -63,7 +70,7 @@ class LLM:
             kv_cache_memory_gb=kv_cache_memory_gb, seed=seed,
             lookahead_slots=speculative.tree_nodes(speculative.num_speculative_tokens) if speculative else 0,
             prepack_weights=prepack_weights, enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, quantization=quantization, quantization_group_size=quantization_group_size,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call

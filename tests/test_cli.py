@@ -221,3 +221,16 @@ def test_convert_overwrite_never_replaces_a_folder_that_holds_no_model(tmp_path,
     assert cli.main(["convert", str(source), str(folder), "--overwrite"]) == 2
     assert "holds no model" in capsys.readouterr().err
     assert (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_generate_quantised_with_a_quantised_self_draft(model_dir, capsys):
+    assert main(["generate", "--model", model_dir, "--prompt", "ab ab ab", "--max-tokens", "6", "--temperature", "0",
+                 "--quantization", "int8", "--speculative-method", "draft_model", "--draft-model", "self",
+                 "--draft-quantization", "int4", "--num-speculative-tokens", "2"]) == 0
+    assert "tokens/s" in capsys.readouterr().err
+
+
+def test_draft_quantization_needs_a_draft_model():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--draft-quantization", "int4"])
+    with pytest.raises(ValueError, match="--draft-quantization needs"):
+        cli.speculative_config(args)

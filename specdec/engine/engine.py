@@ -45,7 +45,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.device = config.device
         self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
-                                self.model_config, config.prepack_weights)
+                                self.model_config, config.prepack_weights, config.quantization,
+                                config.quantization_group_size, config.gguf_source)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           _prefix_caching(config, speculative))
         self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype, config.device)

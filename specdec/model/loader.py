@@ -119,7 +119,8 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     path: str, dtype: torch.dtype, device: torch.device, max_positions: int, config: ModelConfig | None = None,
-    prepack_weights: bool | None = None,
+    prepack_weights: bool | None = None, quantization: str | None = None, quantization_group_size: int | None = None,
+    gguf_path: str | None = None, shared_embedding: torch.nn.Parameter | None = None,
 ) -> LlamaForCausalLM:
     """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed).
 
@@ -129,16 +130,27 @@ def load_model(
     ``prepack_weights``: replace every linear weight by its oneDNN-prepacked copy (``specdec/model/linear.py``).
     None = where supported (CPU, float32, or bfloat16 with native bf16); True = always (``ValueError`` where
     unsupported); False = never (plain weights and ``F.linear``).
+    ``quantization``: None, "int8" or "int4" - every linear but a tied LM head quantised while loading
+    (specdec/model/quant/load.py), group ``quantization_group_size``; ``gguf_path``: the GGUF the folder was
+    converted from, whose Q4_0 / Q4_1 / Q8_0 blocks are kept where they map exactly. ``shared_embedding``: use
+    this embedding tensor (a self draft shares the target's) instead of reading one.
     """
     check_prepack_option(prepack_weights, dtype, torch.device(device))
     config = config or ModelConfig.from_json(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions)
-    model = model.to(dtype).to_empty(device=device)  # meta -> meta in dtype (free), then one allocation
-    model.rope.reset(device)  # cos/sin tables are computed, not loaded; keep them fp32
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.load_weights(iter_weight_entries(path))
+    model = model.to(dtype)  # meta -> meta in dtype (free)
+    if quantization is not None or shared_embedding is not None:
+        from specdec.model.quant.load import load_quantized
+
+        load_quantized(model, iter_weight_entries(path), quantization, quantization_group_size, torch.device(device),
+                       dtype, gguf_path=gguf_path, shared_embedding=shared_embedding)
+    else:
+        model = model.to_empty(device=device)  # one allocation
+        model.rope.reset(device)  # cos/sin tables are computed, not loaded; keep them fp32
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.load_weights(iter_weight_entries(path))
     if prepack_weights is not False and prepack_supported(dtype, torch.device(device)):
         prepack_linears(model, required=prepack_weights is True)
     return model.eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specdec.config import EngineConfig, SpeculativeConfig, eos_ids
+from specdec.config import EngineConfig, SpeculativeConfig, eos_ids, gguf_source_of
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
 from specdec.model.llama import LlamaForCausalLM
@@ -33,7 +33,8 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
         config: the engine's config (the target model, pool sizes, device).
         tokenizer: the target's, to check a draft model's vocabulary against (None: the model folder has none).
         timer, on_draft_forward: adaptive k's draft timings (None when adaptive k is off).
-        target: the loaded target model (an EAGLE-3 head without its own embedding shares the target's).
+        target: the loaded target model (an EAGLE-3 head without its own embedding shares the target's; a
+            ``draft_model="self"`` draft shares its embedding, and its LM head when tied).
     Raises ``ValueError`` when the draft model or head cannot draft for this target (proposers/compat.py,
     ``Eagle3Config.check_target``) or a head is not in the published EAGLE-3 layout.
     """
@@ -41,7 +42,7 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
         return _load_eagle3(config, spec, target, timer, on_draft_forward)
     model = None
     if spec.uses_draft_model:
-        model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward)
+        model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward, target)
     if spec.method == "draft_model":
         return model
     lookup = _model_free(spec, spec.combined_lookup if spec.method == "combined" else spec.method)
@@ -79,17 +80,31 @@ def _load_eagle3(config: EngineConfig, spec: SpeculativeConfig, target: LlamaFor
 
 
 def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
-                      timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None
-                      ) -> DraftModelProposer:
-    path = resolve_model_path(spec.draft_model)
-    draft_config = ModelConfig.from_json(path)
-    check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
-                           config.eos_token_ids, eos_ids(path, draft_config))
+                      timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None,
+                      target_model: LlamaForCausalLM | None = None) -> DraftModelProposer:
+    is_self = spec.draft_model == "self"
+    path = config.model_path if is_self else resolve_model_path(spec.draft_model)
+    gguf_source = config.gguf_source if is_self else gguf_source_of(spec.draft_model, path)
+    draft_config = config.model_config if is_self else ModelConfig.from_json(path)
+    if not is_self:
+        check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
+                               config.eos_token_ids, eos_ids(path, draft_config))
     dtype = resolve_dtype(spec.draft_dtype, draft_config, config.device) if spec.draft_dtype else config.dtype
+    shared = None
+    if is_self:
+        if target_model is None:
+            raise ValueError("draft_model='self' needs the target model to share its embedding with")
+        if dtype != config.dtype:
+            raise ValueError(f"draft_model='self' shares the target's embedding, so draft_dtype must be the target's "
+                             f"({config.dtype}), got {dtype}")
+        shared = target_model.embed_tokens.weight
     # the draft writes positions up to max_model_len - 1 at most, like the target
     max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
     model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
-                       False if config.prepack_weights is False else None)  # its dtype may not support prepacking
+                       False if config.prepack_weights is False else None,  # its dtype may not support prepacking
+                       spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared)
+    if is_self and draft_config.tie_word_embeddings:
+        model.lm_head = target_model.lm_head  # the tied head is the embedding's rows (and their packed copy): share
     return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
                               config.model_config.vocab_size, max_positions, tree_shape=_tree_shape(spec),
                               noise_per_round=spec.verify == "block",  # fresh drafts every round (block_verify.py)

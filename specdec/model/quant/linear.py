@@ -1,0 +1,184 @@
+"""``QuantizedLinear``: a linear layer whose weight is held int8 / int4 (specdec/model/quant/formats.py), and
+``quantize_linears`` which puts it in place of a model's ``Linear``s.
+
+Which arithmetic runs is fixed when the module is prepared for its device (``prepare``), never per call, so the
+model's output for a row does not depend on how many rows a forward has (decode vs k+1-row verification):
+
+- ``"weight_only"`` (CUDA, or CPU where no fast path applies): ``x @ dequant(W).T`` with fp32 products and
+  accumulation - the Triton kernel on CUDA (kernels/quant_matmul.py), its torch reference elsewhere.
+- ``"w8a8"`` (CPU, int8 per-channel): oneDNN's int8 GEMM with per-row dynamic int8 activations
+  (specdec/model/quant/cpu_paths.py) - activations are quantised too.
+- ``"int4pack"`` (CPU, int4 with group 32/64/128/256): torch's ``_weight_int4pack_mm_for_cpu`` in bf16.
+
+docs/guarantees.md says what each means for losslessness: the target is the model as loaded, with its path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec import ops
+from specdec.kernels.quant_matmul import quant_matmul, quant_matmul_reference
+from specdec.model.linear import Linear
+from specdec.model.quant import cpu_paths
+from specdec.model.quant.formats import BITS, quantize_int4, quantize_int8, unpack_int4
+
+QUANTIZATIONS = ("int8", "int4")
+DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}  # int8 per output channel; int4 per 32 inputs (GGUF's block)
+CPU_PATHS = ("auto", "weight_only")
+
+
+def check_quantization(quantization: object, group_size: object, what: str = "quantization") -> None:
+    """``ValueError`` unless ``quantization`` is None / "int8" / "int4" and ``group_size`` is None or an integer
+    >= 2 (even for int4); None means the scheme's default (int8: per channel, int4: 32)."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"{what} must be None, 'int8' or 'int4', got {quantization!r}")
+    if group_size is None:
+        return
+    if quantization is None:
+        raise ValueError(f"{what}_group_size={group_size!r} given without {what}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2 or (
+            quantization == "int4" and group_size % 2):
+        raise ValueError(f"{what}_group_size must be None (int8: per channel, int4: 32) or an integer >= 2 (even for "
+                         f"int4) dividing every linear's input width, got {group_size!r}")
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x @ dequant(W).T + bias`` for ``x [..., in_features]`` (fp32 / bf16 / fp16) -> ``[..., out_features]``
+    in ``x``'s dtype. Buffers: ``qweight`` (int8 ``[N, K]`` or packed uint8 ``[N, K // 2]``), ``scale`` fp32
+    ``[N, G]``, ``offset`` fp32 ``[N, G]`` (int4) or None; ``bias`` a parameter in the model dtype or None."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        assert bits in (4, 8), f"bits must be 4 or 8, got {bits}"
+        self.bits = bits
+        self.out_features = qweight.shape[0]
+        self.in_features = qweight.shape[1] * (2 if bits == 4 else 1)
+        self.group_size = self.in_features // scale.shape[1]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.path = "weight_only"  # see the module docstring; set by prepare()
+        self.state: tuple | None = None  # the CPU path's tensors (oneDNN / int4pack formats)
+        self.released = False  # qweight / scale / offset were replaced by the CPU path's copies
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str,
+                    group_size: int | None = None) -> QuantizedLinear:
+        """Quantise ``weight [N, K]`` (any float dtype): "int8" symmetric per channel (or per group), "int4"
+        asymmetric per group of ``group_size`` (default 32) input columns."""
+        check_quantization(quantization, group_size)
+        g = group_size if group_size is not None else DEFAULT_GROUP_SIZE[quantization]
+        if quantization == "int8":
+            q, scale = quantize_int8(weight, g)
+            return cls(q, scale, None, 8, bias)
+        q, scale, offset = quantize_int4(weight, g)
+        return cls(q, scale, offset, 4, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, path={self.path}")
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as fp32 ``[N, K]`` (``ValueError`` once a CPU path replaced the quantised tensors)."""
+        from specdec.model.quant.formats import dequantize
+
+        if self.released:
+            raise ValueError("this QuantizedLinear's tensors were replaced by its CPU path's packed copies")
+        return dequantize(self.qweight, self.scale, self.offset, self.bits)
+
+    def prepare(self, device: torch.device, cpu_path: str = "auto", release: bool = True) -> None:
+        """Fix the arithmetic for ``device``: on CPU with ``cpu_path="auto"`` the fast path that applies ("w8a8"
+        for per-channel int8, "int4pack" for int4 with a supported group), else "weight_only". ``release``: the
+        CPU path's packed copies replace ``qweight`` / ``scale`` / ``offset`` (meta tensors), so they are held once."""
+        if cpu_path not in CPU_PATHS:
+            raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {cpu_path!r}")
+        if self.released:
+            return
+        self.path, self.state = "weight_only", None
+        if torch.device(device).type != "cpu" or cpu_path == "weight_only":
+            return
+        if self.bits == 8 and self.scale.shape[1] == 1 and cpu_paths.w8a8_available():
+            self.path, self.state = "w8a8", cpu_paths.w8a8_prepare(self.qweight, self.scale)
+        elif (self.bits == 4 and self.group_size in cpu_paths.INT4PACK_GROUP_SIZES and self.out_features % 16 == 0
+              and cpu_paths.int4pack_available()):
+            self.path = "int4pack"
+            self.state = cpu_paths.int4pack_prepare(unpack_int4(self.qweight), self.scale, self.offset)
+        if self.path != "weight_only" and release:
+            for name in ("qweight", "scale", "offset"):
+                t = getattr(self, name)
+                if t is not None:
+                    setattr(self, name, torch.empty_like(t, device="meta"))
+            self.released = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if self.path == "w8a8":
+            out = cpu_paths.w8a8_linear(x2, self.state, self.bias).to(x.dtype)
+        elif self.path == "int4pack":
+            out = cpu_paths.int4pack_linear(x2, self.state, self.group_size, self.bias).to(x.dtype)
+        elif ops.use_triton(x2):
+            out = quant_matmul(x2.contiguous(), self.qweight, self.scale, self.offset, self.bias, self.bits)
+        else:
+            out = quant_matmul_reference(x2, self.qweight, self.scale, self.offset, self.bias, self.bits)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def path_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[M, N]``: the torch reference of the arithmetic ``self.path`` runs (before the cast to ``x``'s
+        dtype), for tests. Needs the quantised tensors (prepare with ``release=False``)."""
+        if self.path == "w8a8":
+            return cpu_paths.w8a8_reference(x, self.qweight, self.scale, self.bias)
+        if self.path == "int4pack":
+            return cpu_paths.int4pack_reference(x, unpack_int4(self.qweight), self.state[1], self.group_size,
+                                                self.bias)
+        return quant_matmul_reference(x.float(), self.qweight, self.scale, self.offset, self.bias, self.bits)
+
+    def held_bytes(self) -> int:
+        """Bytes this module holds for its weight (the CPU path's copies, or the quantised tensors) and bias."""
+        tensors = list(self.state) if self.state is not None else []
+        tensors += [t for t in (self.qweight, self.scale, self.offset) if t is not None and t.device.type != "meta"]
+        if self.bias is not None:
+            tensors.append(self.bias)
+        return sum(_nbytes(t) for t in tensors)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except RuntimeError:  # an opaque oneDNN tensor
+        return t.untyped_storage().nbytes()
+
+
+def quantize_linears(model: nn.Module, quantization: str, group_size: int | None = None,
+                     device: torch.device | str = "cpu", cpu_path: str = "auto", release: bool = True) -> int:
+    """Replace every ``Linear`` of ``model`` by a ``QuantizedLinear`` (prepared for ``device``), except one whose
+    weight is shared with another module (an LM head tied to the embedding keeps the embedding's rows, unquantised).
+    Returns how many were replaced. Each plain weight is dropped as soon as its replacement exists."""
+    check_quantization(quantization, group_size)
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            holders[id(param)] = holders.get(id(param), 0) + 1
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, Linear) or holders.get(id(child.weight), 0) > 1:
+                continue
+            if child.weight_released:
+                raise ValueError("quantize_linears needs plain weights: load the model with prepack_weights=False")
+            q = QuantizedLinear.from_weight(child.weight.detach(), _detached(child.bias), quantization, group_size)
+            q.prepare(torch.device(device), cpu_path, release)
+            setattr(parent, name, q)
+            replaced += 1
+    return replaced
+
+
+def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return bias.detach().clone() if bias is not None else None
+
+
+def bits_of(quantization: str) -> int:
+    return BITS[quantization]

@@ -1,0 +1,174 @@
+"""Quantise while loading: each linear is built, quantised and its full-precision rows dropped one module at a time,
+so no full-precision copy of the model is ever held (peak: the quantised model + one fused fp32 weight).
+
+``load_quantized`` takes a ``LlamaForCausalLM`` still on the ``meta`` device, puts a placeholder where each linear
+to quantise goes (every ``Linear`` but an LM head tied to the embedding, which stays unquantised: the embedding
+lookup needs its rows anyway), allocates the rest in the model dtype, then reads the checkpoint: the parts of a
+linear (q/k/v, gate/up) are gathered until complete, quantised into a ``QuantizedLinear`` and freed. With a GGUF
+source, a Q4_0 / Q4_1 / Q8_0 tensor whose format maps exactly onto the scheme asked for (int4 / int8 with group 32)
+is taken from the GGUF blocks unchanged (gguf_blocks.py); other tensors are quantised from their dequantised values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from specdec.model.linear import Linear
+from specdec.model.quant.formats import dequantize, quantize_int4, quantize_int8
+from specdec.model.quant.gguf_blocks import kept_scheme, read_blocks, unpermute_rows
+from specdec.model.quant.linear import DEFAULT_GROUP_SIZE, QuantizedLinear
+from specdec.model.safetensors_reader import TensorEntry
+
+
+class _Pending(nn.Module):
+    """Where a ``QuantizedLinear`` will go: the bias (allocated with the model) and the parts read so far."""
+
+    def __init__(self, linear: Linear, num_parts: int):
+        super().__init__()
+        self.bias = linear.bias
+        self.shape = (linear.out_features, linear.in_features)
+        self.num_parts = num_parts
+        self.parts: dict[int, tuple] = {}  # shard -> ("dense", fp32 rows) | ("kept", q, scale, offset)
+
+
+def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntry]], quantization: str,
+                   group_size: int | None, device: torch.device, dtype: torch.dtype, cpu_path: str = "auto",
+                   gguf_path: str | None = None, shared_embedding: nn.Parameter | None = None) -> dict[str, int]:
+    """Allocate and load the meta-device ``model`` (a ``LlamaForCausalLM``) with its linears quantised
+    (``quantization`` "int8" / "int4"; None: plain linears, only the embedding shared).
+
+    ``shared_embedding``: use this tensor as the embedding (not read from the checkpoint, no copy) - a self draft
+    shares the target's. Returns counts: {"kept": linears taken from GGUF blocks unchanged, "quantized": others}.
+    """
+    group = group_size if group_size is not None or quantization is None else DEFAULT_GROUP_SIZE[quantization]
+    pending: dict[str, _Pending] = {}
+    tied = model.config.tie_word_embeddings
+    for name, module in list(model.named_modules()):
+        if quantization is not None and isinstance(module, Linear) and not (name == "lm_head" and tied):
+            parts = 3 if name.endswith("qkv_proj") else 2 if name.endswith("gate_up_proj") else 1
+            pending[name] = _Pending(module, parts)
+            _set_module(model, name, pending[name])
+    if shared_embedding is not None:
+        model.embed_tokens.weight = nn.Parameter(torch.empty(0, device="meta"), requires_grad=False)
+    model.to_empty(device=device)  # everything but the linear weights (and a shared embedding)
+    model.rope.reset(device)
+    if shared_embedding is not None:
+        model.embed_tokens.weight = shared_embedding
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    gguf = _GGUFKept(gguf_path, model.config, quantization, group) if gguf_path and quantization else None
+    counts = {"kept": 0, "quantized": 0}
+
+    def finish(name: str, p: _Pending) -> None:
+        kinds = {part[0] for part in p.parts.values()}
+        ordered = [p.parts[i] for i in range(p.num_parts)]
+        if kinds == {"kept"}:
+            q, scale = torch.cat([t[1] for t in ordered]), torch.cat([t[2] for t in ordered])
+            offset = torch.cat([t[3] for t in ordered]) if ordered[0][3] is not None else None
+            counts["kept"] += 1
+        else:
+            w = torch.cat([t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[3] is None else 4)
+                           for t in ordered])  # (N, K) fp32, one module
+            if group is not None and w.shape[1] % group:
+                raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {w.shape[1]}")
+            q, scale, offset = _quantize_rows_in_chunks(w, quantization, group)
+            del w
+            counts["quantized"] += 1
+        bias = p.bias.detach() if p.bias is not None else None
+        ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
+                             8 if quantization == "int8" else 4, bias)
+        ql.prepare(device, cpu_path)
+        _set_module(model, name, ql)
+
+    def rest() -> Iterator[tuple[str, torch.Tensor | TensorEntry]]:
+        for hf_name, source in weights:
+            name = hf_name.removeprefix("model.")
+            if shared_embedding is not None and name == "embed_tokens.weight":
+                yield hf_name, shared_embedding  # a copy onto itself: nothing to read
+                continue
+            module_name, shard = _linear_of(model, name)
+            if module_name is None or module_name not in pending or not name.endswith(".weight"):
+                yield hf_name, source
+                continue
+            p = pending[module_name]
+            kept = gguf.read(hf_name) if gguf is not None else None
+            if kept is not None:
+                p.parts[shard] = ("kept", *kept)
+            else:
+                dense = source.read() if isinstance(source, TensorEntry) else source
+                p.parts[shard] = ("dense", dense.float())
+            if len(p.parts) == p.num_parts:
+                finish(module_name, pending.pop(module_name))
+
+    model.load_weights(rest())
+    if pending:
+        raise ValueError(f"checkpoint is missing linear weights: {sorted(pending)[:8]}")
+    _release_freed_heap()
+    model.quant_counts = counts  # how the linears were made (bench / tests read it)
+    return counts
+
+
+_CHUNK_ROWS = 2048  # rows quantised at a time: per-row schemes, so chunking is exact and caps the temporaries
+
+
+def _quantize_rows_in_chunks(w: torch.Tensor, quantization: str, group: int | None) -> tuple:
+    """``quantize_int8`` / ``quantize_int4`` of ``w [N, K]``, ``_CHUNK_ROWS`` rows at a time (same result: every
+    scale belongs to one row), so the fp32 temporaries stay small beside the module's weight."""
+    parts = []
+    for start in range(0, w.shape[0], _CHUNK_ROWS):
+        chunk = w[start : start + _CHUNK_ROWS]
+        parts.append((*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group))
+    q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return q, scale, torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
+
+
+def _release_freed_heap() -> None:
+    """Give the loader's freed temporaries back to the OS (glibc keeps freed heap pages otherwise, and the process's
+    resident set stays at the loading peak). A no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _linear_of(model, name: str) -> tuple[str | None, int]:
+    """(module name, shard) of an HF parameter name (``layers.0.self_attn.k_proj.weight`` -> qkv_proj, 1)."""
+    for fragment, (fused, shard) in model._FUSED.items():
+        if f".{fragment}." in name:
+            return name.replace(fragment, fused).rsplit(".", 1)[0], shard
+    return name.rsplit(".", 1)[0] if "." in name else None, 0
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+class _GGUFKept:
+    """The GGUF tensors that map exactly onto the scheme asked for (see gguf_blocks.py), by HF name."""
+
+    def __init__(self, path: str, config, quantization: str, group_size: int):
+        from specdec.model.gguf import _hf_name, open_gguf
+
+        self.tensors = {}
+        if group_size == 32:  # GGUF's blocks are 32 wide: another group size needs requantising
+            for t in open_gguf(path).tensors:
+                if kept_scheme(t.tensor_type.name) == quantization and t.name.endswith(".weight") and len(t.shape) == 2:
+                    self.tensors[_hf_name(t.name)] = t
+        self.heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+        self.permuted = config.model_type == "llama"  # llama.cpp permutes llama's Q/K rows for its rope
+
+    def read(self, hf_name: str) -> tuple | None:
+        tensor = self.tensors.get(hf_name)
+        if tensor is None:
+            return None
+        q, scale, offset = read_blocks(tensor)
+        kind = hf_name.split(".")[-2]
+        if self.permuted and kind in self.heads:
+            q, scale, offset = (unpermute_rows(t, self.heads[kind]) for t in (q, scale, offset))
+        return q, scale, offset

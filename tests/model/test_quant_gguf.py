@@ -1,0 +1,115 @@
+"""GGUF Q4_0 / Q4_1 / Q8_0 linears kept quantised: read straight into our int4 / int8 formats (group 32), they
+dequantise to exactly what ``gguf``'s own dequantisation gives (the converted folder holds that, un-permuted for
+llama); other types, or another group size, are quantised again from the dequantised values. Tiny GGUF files are
+written here with ``gguf``'s writer; the default model's file (SmolLM2, Q4_1) is checked too where installed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+import test_gguf as tg  # noqa: E402  (tests/model is on sys.path: its helpers write tiny GGUF files)
+
+from specdec.model.config import ModelConfig  # noqa: E402
+from specdec.model.gguf import convert_gguf  # noqa: E402
+from specdec.model.llama import LlamaForCausalLM  # noqa: E402
+from specdec.model.loader import iter_weight_entries, iter_weights  # noqa: E402
+from specdec.model.quant.formats import dequantize  # noqa: E402
+from specdec.model.quant.gguf_blocks import read_blocks  # noqa: E402
+from specdec.model.quant.linear import QuantizedLinear  # noqa: E402
+from specdec.model.quant.load import load_quantized  # noqa: E402
+
+LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
+
+
+def write_quantised_gguf(path, arch: str, qtype_name: str, monkeypatch) -> None:
+    """``test_gguf.write_tiny_gguf``'s model (hidden 64, ffn 64: widths divisible by 32) with every linear weight
+    stored as ``qtype_name`` (gguf's own quantiser), the rest F32."""
+    monkeypatch.setitem(tg._TINY, "hidden", 64)
+    monkeypatch.setitem(tg._TINY, "ffn", 64)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    real_add = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, array, *args, **kwargs):
+        if name.endswith(".weight") and array.ndim == 2 and not name.startswith("token_embd"):
+            data = gguf.quants.quantize(array.astype(np.float32), qtype)
+            return real_add(self, name, data, *args, raw_dtype=qtype, **kwargs)  # shape from the bytes
+        return real_add(self, name, array, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    tg.write_tiny_gguf(path, arch=arch, pre="qwen2" if arch == "qwen2" else "smollm")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", real_add)
+
+
+def _load(folder, gguf_path, quantization, group=32):
+    config = ModelConfig.from_json(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions=64)
+    counts = load_quantized(model, iter_weight_entries(folder), quantization, group, torch.device("cpu"),
+                            torch.float32, cpu_path="weight_only", gguf_path=gguf_path)
+    return model, counts
+
+
+def _fused_reference(folder, model) -> dict[str, torch.Tensor]:
+    """Module name -> the converted folder's fp32 weight (gguf's dequantisation), q/k/v and gate/up fused."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for hf_name, tensor in iter_weights(folder):
+        name = hf_name.removeprefix("model.")
+        if not name.endswith(LINEAR_SUFFIXES):
+            continue
+        module, shard = name.rsplit(".", 1)[0], 0
+        for fragment, (fused, index) in model._FUSED.items():
+            if f".{fragment}." in name:
+                module, shard = name.replace(fragment, fused).rsplit(".", 1)[0], index
+        parts.setdefault(module, {})[shard] = tensor.float()
+    return {m: torch.cat([p[i] for i in sorted(p)]) for m, p in parts.items()}
+
+
+@pytest.mark.parametrize("qtype,scheme", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_kept_blocks_dequantise_exactly_like_gguf(tmp_path, monkeypatch, qtype, scheme, arch):
+    path = tmp_path / "tiny.gguf"
+    write_quantised_gguf(path, arch, qtype, monkeypatch)
+    for t in gguf.GGUFReader(path).tensors:  # the block reader alone, against gguf on the raw tensors
+        if t.tensor_type.name == qtype:
+            q, s, o = read_blocks(t)
+            expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+            assert torch.equal(dequantize(q, s, o, 8 if o is None else 4), torch.from_numpy(expected)), t.name
+    folder = convert_gguf(path, tmp_path / "hf")
+    model, counts = _load(folder, str(path), scheme)
+    reference = _fused_reference(folder, model)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert counts == {"kept": len(linears), "quantized": 0} and set(linears) == set(reference)
+    for name, module in linears.items():
+        assert module.group_size == 32
+        assert torch.equal(module.dequantize(), reference[name]), name  # un-permuted rows included (llama)
+
+
+@pytest.mark.parametrize("qtype,scheme,group", [("Q8_0", "int4", 32), ("Q4_1", "int8", None), ("Q4_0", "int4", 64)])
+def test_other_mappings_are_requantised(tmp_path, monkeypatch, qtype, scheme, group):
+    path = tmp_path / "tiny.gguf"
+    write_quantised_gguf(path, "qwen2", qtype, monkeypatch)
+    folder = convert_gguf(path, tmp_path / "hf")
+    model, counts = _load(folder, str(path), scheme, group)
+    assert counts["kept"] == 0 and counts["quantized"] > 0
+
+
+def test_default_model_keeps_its_q4_1_linears():
+    from specdec.model.default_model import default_gguf_path, default_model_path
+
+    try:
+        gguf_path = str(default_gguf_path())
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+    folder = default_model_path()
+    reader = gguf.GGUFReader(gguf_path)
+    blk0 = {t.name: t for t in reader.tensors if t.name.startswith("blk.0.")}
+    model, counts = _load(folder, gguf_path, "int4")
+    assert counts == {"kept": 4 * model.config.num_hidden_layers, "quantized": 0}
+    down = model.layers[0].mlp.down_proj.dequantize()
+    t = blk0["blk.0.ffn_down.weight"]
+    expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+    assert torch.equal(down, torch.from_numpy(expected))

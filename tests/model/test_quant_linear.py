@@ -1,0 +1,133 @@
+"""QuantizedLinear: formats round-trip, each path against the torch reference of its own arithmetic, row
+independence (a row's output is the same alone or with others), and the weight-only reference against the
+dequantised matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.model.linear import Linear
+from specdec.model.quant import cpu_paths
+from specdec.model.quant.formats import dequantize, pack_int4, quantize_int4, quantize_int8, unpack_int4
+from specdec.model.quant.linear import QuantizedLinear, check_quantization, quantize_linears
+
+SHAPES = [(96, 128), (160, 256), (48, 1536)]  # (N, K); N multiple of 16 so the CPU int4 path applies
+
+
+def _weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g) * 0.1
+
+
+def test_int4_pack_round_trip():
+    q = torch.randint(0, 16, (7, 64), dtype=torch.uint8)
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_quantisation_error_within_half_step(group):
+    w, _ = _weight(64, 128)
+    q, scale = quantize_int8(w, group)
+    err = (dequantize(q, scale, None, 8) - w).abs()
+    step = scale.repeat_interleave(128 // scale.shape[1], 1)
+    assert bool((err <= step / 2 + 1e-7).all())
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4_quantisation_error_within_half_step(group):
+    w, _ = _weight(64, 128)
+    q, scale, offset = quantize_int4(w, group)
+    err = (dequantize(q, scale, offset, 4) - w).abs()
+    step = scale.repeat_interleave(group, 1)
+    assert bool((err <= step / 2 + 1e-6).all())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_only_reference_is_the_dequantised_matmul(scheme, dtype):
+    w, b = _weight(96, 128)
+    m = QuantizedLinear.from_weight(w, b.to(dtype), scheme)
+    x = torch.randn(5, 128).to(dtype)
+    expected = (x.double() @ m.dequantize().double().T + b.to(dtype).double())
+    torch.testing.assert_close(m(x).double(), expected.to(dtype).double(), rtol=1e-5 if dtype == torch.float32
+                               else 1e-2, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    assert m(x).dtype == dtype
+
+
+@pytest.mark.skipif(not cpu_paths.w8a8_available(), reason="no oneDNN int8 linear in this torch")
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_equals_its_reference_exactly(n, k, dtype):
+    w, b = _weight(n, k)
+    m = QuantizedLinear.from_weight(w, b, "int8")
+    m.prepare(torch.device("cpu"), release=False)
+    assert m.path == "w8a8"
+    x = (torch.randn(16, k) * 3).to(dtype)
+    x[3] = 0  # an all-zero row
+    out = torch.cat([cpu_paths.w8a8_linear(x[i:i + 4], m.state, m.bias) for i in range(0, 16, 4)])
+    assert torch.equal(out, m.path_reference(x))
+
+
+@pytest.mark.skipif(not cpu_paths.int4pack_available(), reason="no _weight_int4pack_mm_for_cpu in this torch")
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("group", [32, 64])
+def test_int4pack_close_to_its_reference(n, k, group):
+    w, b = _weight(n, k)
+    m = QuantizedLinear.from_weight(w, b, "int4", group)
+    m.prepare(torch.device("cpu"), release=False)
+    assert m.path == "int4pack"
+    x = torch.randn(16, k)
+    ref = m.path_reference(x)
+    out = cpu_paths.int4pack_linear(x, m.state, group, m.bias)
+    # the op rounds its output to bf16: half a bf16 ulp of the largest output, plus accumulation-order slack
+    torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("cpu_path", ["auto", "weight_only"])
+def test_rows_are_independent(scheme, group, cpu_path):
+    """Each row's output is bit-identical whether computed alone (decode) or among 1..16 rows (windows)."""
+    w, b = _weight(160, 256)
+    m = QuantizedLinear.from_weight(w, b, scheme, group)
+    m.prepare(torch.device("cpu"), cpu_path)
+    x = torch.randn(16, 256) * 2
+    alone = torch.cat([m(x[i:i + 1]) for i in range(16)])
+    for rows in (2, 5, 8, 16):
+        assert torch.equal(m(x[:rows]), alone[:rows]), f"{scheme} g{group} {m.path}: {rows} rows"
+
+
+def test_prepare_releases_the_quantised_tensors():
+    w, b = _weight(96, 128)
+    m = QuantizedLinear.from_weight(w, b, "int8")
+    m.prepare(torch.device("cpu"))
+    if m.path == "weight_only":
+        pytest.skip("no CPU fast path here")
+    assert m.qweight.device.type == "meta"
+    with pytest.raises(ValueError, match="replaced"):
+        m.dequantize()
+
+
+def test_quantize_linears_skips_a_tied_head():
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(32, 64)
+    model.proj = Linear(64, 64, bias=True)
+    model.head = Linear(64, 32, bias=False)
+    model.head.weight = model.embed.weight
+    assert quantize_linears(model, "int4") == 1
+    assert isinstance(model.proj, QuantizedLinear) and isinstance(model.head, Linear)
+
+
+@pytest.mark.parametrize("args,match", [
+    (("int3", None), "'int8' or 'int4'"), (("int4", 3), "even"), (("int8", 0), ">= 2"),
+    ((None, 32), "without"), (("int4", True), "integer"),
+])
+def test_bad_settings_are_refused(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_quantization(*args)
+
+
+def test_group_must_divide_input_width():
+    w, b = _weight(16, 96)
+    with pytest.raises(ValueError, match="dividing"):
+        QuantizedLinear.from_weight(w, b, "int4", 64)
