@@ -15,8 +15,7 @@ import itertools
 
 import pytest
 import torch
-from test_spec_lossless import CONFIGS, PROMPT, VOCAB, check, exact_joint, lossless_llm, run
-from tiny_models import make_tiny_model
+from test_spec_lossless import CONFIGS, PROMPT, VOCAB, check, exact_joint, lossless_llm, make_lossless_pair, run
 
 import specdec
 from specdec.model.quant.linear import QuantizedLinear
@@ -28,13 +27,9 @@ TARGET_SCHEME = "int8"
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("quant_lossless")
-    target, draft = str(root / "target"), str(root / "draft")
-    shape = {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
-             "intermediate_size": 64, "max_position_embeddings": 64, "with_tokenizer": False}
-    make_tiny_model(target, seed=1, lm_head_std=0.08, **shape)
-    make_tiny_model(draft, seed=2, perturb_from=target, perturb_scale=1.5, **shape)
-    return target, draft
+    return make_lossless_pair(tmp_path_factory.mktemp("quant_lossless"))
+
+
 
 
 def quantised_prefix_logits(target_dir: str, scheme: str, max_m: int) -> dict[tuple[int, ...], torch.Tensor]:

@@ -70,7 +70,11 @@ MAX_M = max(k for _, k in CASES) + 2
 # --- models and the exact oracle -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lossless")
+    return make_lossless_pair(tmp_path_factory.mktemp("lossless"))
+
+
+def make_lossless_pair(root) -> tuple[str, str]:
+    """A tiny target over VOCAB tokens and a perturbed draft of it, written under ``root``: (target, draft)."""
     target, draft = str(root / "target"), str(root / "draft")
     shape = {"vocab_size": VOCAB, "hidden_size": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2,
              "intermediate_size": 64, "max_position_embeddings": 64, "with_tokenizer": False}

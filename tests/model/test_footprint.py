@@ -32,7 +32,11 @@ DTYPE = torch.bfloat16 if prepack_supported(torch.bfloat16, CPU) else torch.floa
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("footprint_small"))
+    return make_small_model(str(tmp_path_factory.mktemp("footprint_small")))
+
+
+def make_small_model(path: str) -> str:
+    """A qwen2 checkpoint of ~2M parameters with a tied LM head, written to ``path``."""
     make_tiny_model(path, "qwen2", vocab_size=2048, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
                     intermediate_size=512, tie_word_embeddings=True)
     return path

@@ -8,16 +8,12 @@ import pytest
 import specdec
 from specdec.model.quant import load as quant_load
 from specdec.model.quant.linear import QuantizedLinear
-from tests.model.test_footprint import live_tensor_bytes
-from tests.tiny_models import make_tiny_model
+from tests.model.test_footprint import live_tensor_bytes, make_small_model
 
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("footprint_quant"))
-    make_tiny_model(path, "qwen2", vocab_size=2048, hidden_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
-                    intermediate_size=512, tie_word_embeddings=True)
-    return path
+    return make_small_model(str(tmp_path_factory.mktemp("footprint_quant")))
 
 
 def census(path: str, quantization: str) -> tuple[int, int, int]:
