@@ -284,11 +284,15 @@ def _serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     name = args.served_model_name or args.model or "default"
-    run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting, args.shutdown_timeout,
-               speculative, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
-               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-               quantization_group_size=args.quantization_group_size)
+    signals = run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting,
+                         args.shutdown_timeout, speculative, dtype=args.dtype, device=args.device,
+                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
+                         enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+                         quantization_group_size=args.quantization_group_size)
+    if signals:  # stopped by a signal that did not surface as KeyboardInterrupt: exit as the shell expects
+        print("\ninterrupted", file=sys.stderr)
+        return 128 + signals[-1]
     return 0
 
 

@@ -8,10 +8,12 @@ from specdec.config import SpeculativeConfig
 
 
 def run_server(model: str, model_name: str, host: str, port: int, max_waiting: int, shutdown_timeout: float,
-               speculative: SpeculativeConfig | None, log_level: str = "info", **llm_kwargs) -> None:
+               speculative: SpeculativeConfig | None, log_level: str = "info", **llm_kwargs) -> list[int]:
     """Serve ``model`` on ``host:port`` until interrupted. ``llm_kwargs`` go to ``specdec.LLM`` (dtype, device,
     max_model_len, max_num_seqs, ...). On SIGINT / SIGTERM uvicorn stops accepting connections, lets open ones
-    finish for up to ``shutdown_timeout`` seconds, and the engine aborts whatever is still running."""
+    finish for up to ``shutdown_timeout`` seconds, and the engine aborts whatever is still running. Returns the
+    signals that stopped the server (uvicorn re-raises them once shut down; a SIGINT then surfaces as
+    ``KeyboardInterrupt`` - unless a library replaced Python's SIGINT handler meanwhile, hence the return)."""
     import uvicorn
 
     from specdec import LLM
@@ -21,4 +23,6 @@ def run_server(model: str, model_name: str, host: str, port: int, max_waiting: i
     app = build_app(llm.engine, model_name, max_waiting=max_waiting, shutdown_timeout=shutdown_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=os.environ.get("SPECDEC_ACCESS_LOG") == "1")
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    server.run()
+    return list(getattr(server, "_captured_signals", []))  # uvicorn's record of the signals it handled
