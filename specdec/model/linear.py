@@ -8,8 +8,10 @@ for 4-8; a forward over 5 tokens 1.6x a decode step); on an AMD EPYC it scales w
 1.5B shapes, 1 thread: an 8960 x 1536 linear 4.4 ms for 1 row, 9.0 for 2, 12.9 for 3; the 151936-row LM head 67,
 144, 211 ms). oneDNN's prepacked weights (the format ``torch.compile``'s CPU freezing uses) cost the same for 1 to
 16 rows (4-5 ms and 47-73 ms there) but carry a small fixed overhead per call, which loses for one row. So a
-float32 ``Linear`` keeps both: ``F.linear`` for one row (decode), the packed copy from ``PREPACK_MIN_ROWS`` = 2
-rows up (verification windows, batched decode, prefill) - on the Xeon that costs ~0.06 ms per call at 2-3 rows,
+float32 ``Linear`` that keeps its plain weight (a tied LM head, or ``prepack_linears(release_weights=False)``)
+uses ``F.linear`` for one row (decode) and the packed copy from ``PREPACK_MIN_ROWS`` = 2 rows up (verification
+windows, batched decode, prefill); one whose plain weight was released (the default, below) uses the packed copy
+for every row - on the Xeon that costs ~0.06 ms per call at 2-3 rows,
 on the EPYC it makes a 2-token window cost what a 5-token one does instead of 3x.
 
 bfloat16 is different: ``F.linear`` in bf16 goes through oneDNN without a packed weight and reorders it on
