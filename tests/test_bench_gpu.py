@@ -20,7 +20,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["env", "e2e", "tests", "sanitizer", "kernels"]  # the order they run in: e2e, the headline, first
+STEPS = ["env", "e2e", "tests", "sanitizer", "kernels", "quant"]  # the order they run in: e2e, the headline, first
 # Removes setuptools' editable-install finder (what `pip install -e .` adds), as if specdec were not installed.
 HIDE_INSTALL = """import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
@@ -96,6 +96,11 @@ def test_dry_run_from_the_repository(tmp_path):
     assert kernels["attention"] and kernels["sampling"] and kernels["spec_sample"]
     for row in kernels["attention"]:
         assert row["sdpa_backend"] in row["sdpa_supported"] or row["sdpa_backend"] == "flash (cpu)", row
+    quant = json.loads((out / "quant.json").read_text())
+    assert quant["kernel"] and quant["plain"] and quant["self_draft"]
+    for row in quant["kernel"]:  # the module's path against its own reference: only the bf16 output's rounding
+        assert row["int8_rel_err"] < 1e-2 and row["int4_rel_err"] < 1e-2, row
+    assert "### Quantized linears" in summary and "compute-sanitizer memcheck" in summary
 
 
 def test_dry_run_without_the_install_lays_out_a_site_folder(tmp_path):

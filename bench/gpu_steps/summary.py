@@ -73,7 +73,7 @@ def section_tests(out: Path) -> list[str]:
     for line in log_lines(out / "tests.log", r"^== .*: (exit|TIMEOUT|not run)|(passed|failed|error|selected|"
                                              r"collected|deselected).* in [0-9.]+s|^STATUS"):  # fmt: skip
         lines.append(f"- tests: {line}")
-    for line in log_lines(out / "sanitizer.log", r"ERROR SUMMARY|^STATUS|MISMATCH|not found"):
+    for line in log_lines(out / "tests.log", r"ERROR SUMMARY|^STATUS|MISMATCH|not found"):
         lines.append(f"- compute-sanitizer memcheck: {line}")
     return [*lines, ""]
 
@@ -103,6 +103,38 @@ def section_kernels(kernels: dict) -> list[str]:
             for r in kernels.get("spec_sample", [])]  # fmt: skip
     lines += table(["spec_sample batch", "k", "vocab", "fused ms", "fused GB/s", "% of copy", "torch ms",
                     "verify speedup", "with standardization"], rows)  # fmt: skip
+    return lines
+
+
+def section_quant(quant: dict) -> list[str]:
+    if not quant:
+        return []
+    copy = quant.get("copy") or {}
+    lines = ["### Quantized linears (weight-only int8 / int4 g32)", "",
+             f"Kernel vs bf16 `F.linear` (cuBLAS), {quant.get('timer')}; GB/s = the weight's own bytes (int8 1 B, int4 "
+             f"0.5 B + fp32 scales/offsets per 32, bf16 2 B) / time, copy {fmt(copy.get('copy_GBps'), 0)} GB/s; err = "
+             "max |kernel - torch reference| / max |reference|.", ""]  # fmt: skip
+    rows = [[r["model"], r["linear"], f"{r['N']}x{r['K']}", r["rows"], r.get("bf16_ms"), r.get("bf16_GBps"),
+             r.get("int8_ms"), r.get("int8_GBps"), r.get("int8_speedup_vs_bf16"), r.get("int8_rel_err"),
+             r.get("int4_ms"), r.get("int4_GBps"), r.get("int4_speedup_vs_bf16"), r.get("int4_rel_err")]
+            for r in quant.get("kernel", [])]  # fmt: skip
+    lines += table(["model", "linear", "N x K", "rows", "bf16 ms", "bf16 GB/s", "int8 ms", "int8 GB/s", "int8 / bf16",
+                    "int8 err", "int4 ms", "int4 GB/s", "int4 / bf16", "int4 err"], rows)  # fmt: skip
+    rows = [[r["model"], r["batch"], r["reps"], r.get("bf16_tok_s"), r.get("int8_tok_s"), r.get("int8_speedup"),
+             r.get("int8_same_tokens_as_bf16"), r.get("int4_tok_s"), r.get("int4_speedup"),
+             r.get("int4_same_tokens_as_bf16")] for r in quant.get("plain", [])]  # fmt: skip
+    if rows:
+        lines += ["Plain decoding, random-weight targets (bf16 checkpoint), 128-id prompts, 64 new tokens, median of "
+                  "the reps after a warm-up:", ""]
+        lines += table(["model", "batch", "reps", "bf16 tok/s", "int8 tok/s", "int8 / bf16", "int8 same tokens",
+                        "int4 tok/s", "int4 / bf16", "int4 same tokens"], rows)  # fmt: skip
+    rows = [[r["model"], r["batch"], r["reps"], r.get("plain_tok_s"), r.get("spec_tok_s"), r.get("speedup"),
+             r.get("acceptance"), r.get("greedy_identical")] for r in quant.get("self_draft", [])]  # fmt: skip
+    if rows:
+        lines += ["Speculative decoding drafted by the target's own int4 copy (k = 4, greedy; random weights: the "
+                  "acceptance is a floor):", ""]
+        lines += table(["model", "batch", "reps", "plain bf16 tok/s", "spec tok/s", "speedup", "acceptance",
+                        "greedy identical"], rows)  # fmt: skip
     return lines
 
 
@@ -244,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     run = env.get("run", {})
     e2e = load(args.out / "e2e.json")
     lines = [*section_env(env, run), *section_steps(run), *section_tests(args.out),
-             *section_kernels(load(args.out / "kernels.json")), *section_e2e(e2e)]  # fmt: skip
+             *section_kernels(load(args.out / "kernels.json")), *section_quant(load(args.out / "quant.json")),
+             *section_e2e(e2e)]  # fmt: skip
     if e2e.get("pairs"):
         lines += section_projection(e2e, args.alpha)
     (args.out / "summary.md").write_text("\n".join(lines).rstrip() + "\n")
