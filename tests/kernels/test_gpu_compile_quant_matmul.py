@@ -1,6 +1,8 @@
-"""GPU-readiness of the weight-only quantised matmul without a GPU: int8 (per channel, per group of 32) and int4
-(group 32 / 128) launches for Qwen2.5-1.5B's shapes compile for sm_80 and sm_90, bf16 and fp16 activations, without
-spills and within shared memory. Argument types and 16-divisibility come from ``job_from_launch`` on meta tensors."""
+"""GPU-readiness of the weight-only quantised matmul without a GPU: the launches of Llama-3.2-3B's linears (a split-K
+qkv, the unsplit LM head) for int8 per channel / per group of 32 and int4 per group of 32 / 128, bf16 / fp16 / fp32
+activations, compile for sm_80 and sm_90 without spills and within shared memory - the main kernel with the
+configuration ``quant_matmul_config`` picks for an H100 / H200 (132 SMs), and the split-K reduction. Argument types
+and 16-divisibility come from ``job_from_launch`` on meta tensors."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ from gpu_compile import compile_reports, format_table, job_from_launch
 
 from specdec.kernels.quant_matmul import quant_matmul_launch
 
-SHAPES = {"mlp up": (8960, 1536), "mlp down": (1536, 8960)}
+SHAPES = {"qkv": (5120, 3072), "lm_head": (128256, 3072)}  # split K (6 splits) / one split
 SCHEMES = {"int8 per-channel": (8, 1), "int8 g32": (8, 32), "int4 g32": (4, 32), "int4 g128": (4, 128)}
-DTYPES = {"mlp up": (torch.bfloat16, torch.float16), "mlp down": (torch.bfloat16,)}
+DTYPES = {"qkv": (torch.bfloat16, torch.float16, torch.float32), "lm_head": (torch.bfloat16,)}
 ARCHS = (80, 90)
+MODULE = "specdec.kernels.quant_matmul"
 
 
-def _launch(n, k, bits, group, dtype):
+def _plan(n, k, bits, group, dtype):
     meta = torch.device("meta")
     x = torch.empty(16, k, dtype=dtype, device=meta)
     qweight = torch.empty(n, k if bits == 8 else k // 2, dtype=torch.int8 if bits == 8 else torch.uint8, device=meta)
@@ -23,7 +26,7 @@ def _launch(n, k, bits, group, dtype):
     scale = torch.empty(n, groups, dtype=torch.float32, device=meta)
     offset = scale if bits == 4 else None
     out = torch.empty(16, n, dtype=dtype, device=meta)
-    return quant_matmul_launch(x, qweight, scale, offset, None, out, bits)
+    return quant_matmul_launch(x, qweight, scale, offset, out[0], out, bits, num_sms=132, interpret=False)
 
 
 def test_quant_matmul_compiles_without_spills():
@@ -31,13 +34,18 @@ def test_quant_matmul_compiles_without_spills():
     for shape_name, (n, k) in SHAPES.items():
         for scheme, (bits, group) in SCHEMES.items():
             for dtype in DTYPES[shape_name]:
-                _, args, constexprs, num_warps = _launch(n, k, bits, group, dtype)
+                plan = _plan(n, k, bits, group, dtype)
+                name = f"{shape_name} {scheme} {str(dtype)[6:]} split {plan.grid[1]}"
                 for arch in ARCHS:
-                    labels.append(f"{shape_name} {scheme} {str(dtype)[6:]}")
-                    jobs.append(job_from_launch("specdec.kernels.quant_matmul", "_quant_matmul_kernel", args,
-                                                constexprs, num_warps, 3, arch))
+                    labels.append(name)
+                    jobs.append(job_from_launch(MODULE, "_quant_matmul_kernel", plan.args, plan.constexprs,
+                                                plan.num_warps, plan.num_stages, arch))
+                    if plan.reduce_grid is not None:
+                        labels.append(f"{name} (reduce)")
+                        jobs.append(job_from_launch(MODULE, "_split_k_reduce_kernel", plan.reduce_args,
+                                                    plan.reduce_constexprs, 4, 1, arch))
     reports = [dict(r, label=label) for label, r in zip(labels, compile_reports(jobs, workers=2), strict=True)]
-    print("\n" + format_table(reports, ["label", "BITS", "GROUP"]))
+    print("\n" + format_table(reports, ["label", "STEP", "SUB", "TILES"]))
     for r in reports:
         where = f"{r['label']} sm_{r['arch']}"
         assert r["error"] is None, f"{where}:\n{r['error']}"
