@@ -64,6 +64,8 @@ class LLMEngine:
         mode = static_forward_mode(config.device, config.enforce_eager)
         if mode is not None:
             self.enable_static_forward(mode)
+        if self.speculative is not None:  # adaptive k's costs, measured before the first request
+            self.speculative.calibrate(self.runner)
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}  # unfinished sequences by their own (internal) id

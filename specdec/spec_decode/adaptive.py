@@ -24,12 +24,13 @@ and its drafting: on a CPU where a 13-token window costs far more than a decode 
 nearly free (a GPU at small batch) it can be. ``adapt_depth=False`` (a tree configured without ``adaptive=True``)
 keeps the depth at the cap and only chooses tree or chain there, never a plain step.
 
-**From any start.** A plain step (k = 0) switches speculation off for the request; every ``probe_every`` plain
-steps it drafts once to re-measure. A probe takes the drafting arm the estimates value most - or, every other probe,
-the arm this batch size has gone longest without (ties: the deeper) - so the costs and acceptances of every arm get
-measured again. An engine that found short windows slow (on CPU a 2- or 3-row float32 GEMM can cost as much as a
-5-row one or more) therefore still finds a long k that pays: probing only k = 1 - what this module did before -
-could never climb out of k = 0 there.
+**From any start.** The engine calibrates the cost model before the first request (``calibration.py``: every window
+length's forward and the draft step, at batch 1), so the first choices weigh measured costs. A plain step (k = 0)
+switches speculation off for the request; every ``probe_every`` plain steps it drafts once to re-measure. A probe
+takes the drafting arm the estimates value most - or, every other probe, the arm this batch size has gone longest
+without (ties: the deeper) - so the costs and acceptances of every arm get measured again. An engine that found short
+windows slow (on CPU a 2- or 3-row float32 GEMM can cost as much as a 5-row one or more) therefore still finds a long
+k that pays: probing only k = 1 - what this module did before - could never climb out of k = 0 there.
 
 **Exploration** keeps every arm measured while drafting too, so a one-off outlier is washed out rather than avoided
 forever (only the chosen arm is ever timed): every ``explore_every`` (16) decisions of a request that drafts, it

@@ -30,6 +30,7 @@ from specdec.runner.forward_timer import ForwardTimer
 from specdec.runner.step_output import StepOutput
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.spec_decode.adaptive import PLAIN, AdaptiveK, Arm
+from specdec.spec_decode.calibration import calibrate
 from specdec.spec_decode.compaction import compact_target
 from specdec.spec_decode.cost_model import MeasuredCostModel
 from specdec.spec_decode.metadata import SpecDecodeMetadata
@@ -69,10 +70,12 @@ class SpeculativeDecoder:
         self.max_positions = self.proposer.max_positions or config.max_model_len
         self.stats = {"rollback_freed_blocks": 0}  # engine-wide counters (tests assert page-boundary rollbacks)
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)
+        self._target_runner = None  # set by calibrate (the engine's runner), for reset_adaptive's calibration
 
     def reset_adaptive(self) -> None:
         """Forget what adaptive k measured and estimated (a fresh cost model and acceptance): a cold start, as a new
-        engine has, for an engine that was warmed up (benchmarks). No-op without adaptive k or with injected costs."""
+        engine has, for an engine that was warmed up (benchmarks); calibrated again if it was. No-op without
+        adaptive k or with injected costs."""
         if self.adaptive is None or self.spec_config.cost_model is not None:
             return
         self.cost_model = MeasuredCostModel(is_model_free=not self.spec_config.drafts_with_a_model)
@@ -80,6 +83,18 @@ class SpeculativeDecoder:
         drafter = self.draft_model if self.draft_model is not None else self.proposer  # a draft model or EAGLE-3 head
         if getattr(drafter, "on_forward", None) is not None:  # model-free proposers time no draft forward
             drafter.on_forward = self.cost_model.observe_draft
+        if self._target_runner is not None:
+            self.calibrate(self._target_runner)
+
+    def calibrate(self, target_runner) -> None:
+        """Time the target's 1..k_max+1-token forwards and the draft model's step at batch 1 before the first
+        request (specdec/spec_decode/calibration.py), so adaptive choices start from measured costs. The engine
+        calls it once its runners are ready and idle. No-op without adaptive choices or with injected costs."""
+        self._target_runner = target_runner
+        if self.adaptive is None or self.spec_config.cost_model is not None:
+            return
+        draft = self.draft_model.runner if self.draft_model is not None else None
+        calibrate(self.cost_model, target_runner, draft, self.k_max, min(self.max_positions, self.max_model_len))
 
     def _new_adaptive(self) -> AdaptiveK:
         spec = self.spec_config
