@@ -117,6 +117,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="as LLM(quantization=): int8 per channel or int4 per group (default: none)")
     parser.add_argument("--quantization-group-size", type=_positive_int, default=None,
                         help="as LLM(quantization_group_size=): default int8 per channel, int4 32")
+    parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                        help="as LLM(tensor_parallel_size=): shard the model over N ranks (N - 1 spawned worker "
+                             "processes; gloo on CPU, NCCL on CUDA); docs/tensor_parallel.md")
 
 
 def _serve_parser(serve: argparse.ArgumentParser) -> None:
@@ -163,6 +166,9 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
                             "EAGLE-3 head for eagle3")
     group.add_argument("--draft-quantization", default=None, choices=("int8", "int4"),
                        help="as SpeculativeConfig(draft_quantization=)")
+    group.add_argument("--draft-tensor-parallel-size", type=_positive_int, default=None,
+                       help="as SpeculativeConfig(draft_tensor_parallel_size=): 1 (the draft on rank 0) or the "
+                            "target's --tensor-parallel-size (default)")
     group.add_argument("--num-speculative-tokens", type=int, default=_speculative_default("num_speculative_tokens"),
                        help="k, the most tokens drafted per round")
     group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
@@ -230,11 +236,14 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
             raise ValueError("--draft-model needs --speculative-method draft_model, combined or eagle3")
         if getattr(args, "draft_quantization", None) is not None:
             raise ValueError("--draft-quantization needs --speculative-method draft_model or combined")
+        if getattr(args, "draft_tensor_parallel_size", None) is not None:
+            raise ValueError("--draft-tensor-parallel-size needs --speculative-method draft_model or combined")
         return None
     return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
                              num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
                              verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget,
-                             tree_policy=args.tree_policy, draft_quantization=args.draft_quantization)
+                             tree_policy=args.tree_policy, draft_quantization=args.draft_quantization,
+                             draft_tensor_parallel_size=args.draft_tensor_parallel_size)
 
 
 def _model_path(model: str | None) -> str:
@@ -289,7 +298,8 @@ def _serve(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
                          enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-                         quantization_group_size=args.quantization_group_size)
+                         quantization_group_size=args.quantization_group_size,
+                         tensor_parallel_size=args.tensor_parallel_size)
     if signals:  # stopped by a signal that did not surface as KeyboardInterrupt: exit as the shell expects
         print("\ninterrupted", file=sys.stderr)
         return 128 + signals[-1]
@@ -307,7 +317,16 @@ def _generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative,
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-              quantization_group_size=args.quantization_group_size)
+              quantization_group_size=args.quantization_group_size, tensor_parallel_size=args.tensor_parallel_size)
+    try:
+        return _stream_one(llm, args, params)
+    finally:
+        llm.shutdown()  # the tensor-parallel workers, if any
+
+
+def _stream_one(llm, args: argparse.Namespace, params: SamplingParams) -> int:
+    import torch
+
     prompt = args.prompt
     if args.chat:
         if llm.tokenizer is None:

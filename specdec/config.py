@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache.kv_pool import KVPool
+from specdec.distributed.sharding import check_tensor_parallel
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import available_memory_bytes, check_prepack_option
 from specdec.model.loader import resolve_model_path
@@ -42,6 +43,9 @@ class EngineConfig:
     enforce_eager: bool = False
     quantization: str | None = None  # None | "int8" | "int4": the target's linears (specdec/model/quant/)
     quantization_group_size: int | None = None  # None: the scheme's default (int8 per channel, int4 32)
+    # ranks the target is sharded over (docs/tensor_parallel.md); 1: one process, as before
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0  # the most one collective waits for a worker (a hung one) before failing
 
     @classmethod
     def create(
@@ -62,6 +66,8 @@ class EngineConfig:
         enforce_eager: bool = False,
         quantization: str | None = None,
         quantization_group_size: int | None = None,
+        tensor_parallel_size: int = 1,
+        distributed_timeout_s: float = 60.0,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -78,8 +84,10 @@ class EngineConfig:
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         check_quantization(quantization, quantization_group_size)
+        _check_tensor_parallel_options(tensor_parallel_size, distributed_timeout_s, dev, quantization)
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
+        check_tensor_parallel(model_config, tensor_parallel_size, "target")
         torch_dtype = resolve_dtype(dtype, model_config, dev)
         check_prepack_option(prepack_weights, torch_dtype, dev)
         limit = model_config.max_position_embeddings
@@ -110,13 +118,50 @@ class EngineConfig:
                              f"max(2048, max_model_len)), got {max_num_batched_tokens!r}")
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
                    num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching,
-                   enforce_eager, quantization, quantization_group_size)
+                   enforce_eager, quantization, quantization_group_size, tensor_parallel_size,
+                   float(distributed_timeout_s))
 
     @property
     def gguf_source(self) -> str | None:
         """The .gguf file the model folder was converted from (its blocks can be kept quantised), or None: the
         file given as ``model``, or the default model's (its folder records the GGUF it was converted from)."""
         return gguf_source_of(self.model, self.model_path)
+
+
+def _check_tensor_parallel_options(size: object, timeout_s: object, device: torch.device,
+                                   quantization: str | None) -> None:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
+        raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if size == 1:
+        return
+    if device.type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices (one per rank), but torch sees "
+                         f"{torch.cuda.device_count()}; allowed: 1..{torch.cuda.device_count()}")
+    if quantization is not None:
+        raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet; use one or the other")
+
+
+def check_draft_tensor_parallel(spec: SpeculativeConfig, size: int) -> int:
+    """The draft's tensor-parallel size under a target sharded over ``size`` ranks (``spec``'s
+    ``draft_tensor_parallel_size``; None: the target's, for a draft model), or ``ValueError`` saying what is
+    allowed."""
+    draft = spec.draft_tensor_parallel_size
+    if draft is None:
+        draft = size if spec.uses_draft_model else 1
+    if draft not in (1, size):
+        raise ValueError(f"draft_tensor_parallel_size must be 1 (the draft on rank 0 only) or the target's "
+                         f"tensor_parallel_size ({size}), got {draft}")
+    if size > 1 and spec.method == "eagle3":
+        raise ValueError("method 'eagle3' is not supported with tensor_parallel_size > 1 yet (the head reads the "
+                         "target's hidden states, which are not gathered)")
+    if size > 1 and spec.draft_model == "self":
+        raise ValueError("draft_model='self' shares the target's embedding, which tensor parallelism shards; use a "
+                         "separate draft model (or tensor_parallel_size=1)")
+    if draft > 1 and spec.draft_quantization is not None:
+        raise ValueError("a quantised draft must run on rank 0 only: use draft_tensor_parallel_size=1")
+    return draft
 
 
 def gguf_source_of(model: str, model_path: str) -> str | None:
@@ -232,6 +277,9 @@ class SpeculativeConfig:
             measured yield and costs value more (specdec/spec_decode/adaptive.py), so a tree is drafted only where
             it pays - with ``adaptive=True`` the depth adapts too (and a plain step is a candidate); "always": a tree
             every round while the batch is small enough (the depth is k_eff; not with ``adaptive=True``).
+        draft_tensor_parallel_size: under ``LLM(tensor_parallel_size=N)``, the draft model sharded over the same N
+            ranks (N; the default for a draft model) or run on rank 0 only (1); anything else is refused
+            (docs/tensor_parallel.md).
     """
 
     method: str = "draft_model"
@@ -254,6 +302,7 @@ class SpeculativeConfig:
     tree_policy: str = "measured"
     draft_quantization: str | None = None
     draft_quantization_group_size: int | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -285,6 +334,10 @@ class SpeculativeConfig:
         if self.draft_quantization is not None and not uses_model:
             raise ValueError(f"draft_quantization needs a draft model (method 'draft_model' or 'combined'), not "
                              f"{self.method!r}")
+        dtp = self.draft_tensor_parallel_size
+        if dtp is not None and (not isinstance(dtp, int) or isinstance(dtp, bool) or dtp < 1):
+            raise ValueError(f"draft_tensor_parallel_size must be None (the target's), 1 or the target's "
+                             f"tensor_parallel_size, got {dtp!r}")
         if self.verify not in VERIFY_METHODS:
             raise ValueError(f"verify {self.verify!r} is not supported; supported: {VERIFY_METHODS}")
         self._check_tree()

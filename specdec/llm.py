@@ -39,6 +39,12 @@ class LLM:
             embedding, quantised while loading. A GGUF's Q4_0 / Q4_1 / Q8_0 blocks are kept as they are where the
             format maps exactly (group 32). On CPU int8 runs oneDNN's int8 GEMM with per-row int8 activations and
             int4 torch's int4 kernel in bf16 (docs/guarantees.md: a quantised target is a different target).
+        tensor_parallel_size: shard the target (and, by default, a draft model: ``SpeculativeConfig.
+            draft_tensor_parallel_size``) over this many ranks - this process and N - 1 worker processes it
+            spawns, gloo on CPU, NCCL on CUDA (one GPU per rank); docs/tensor_parallel.md. Call ``shutdown()`` (or
+            use the LLM as a context manager) to stop the workers; they are also stopped at exit.
+        distributed_timeout_s: the longest one collective waits for a worker: a worker that dies ends the
+            in-flight requests with ``finish_reason "error"`` at once, one that hangs after this many seconds.
     """
 
     def __init__(
@@ -59,6 +65,8 @@ class LLM:
         enforce_eager: bool = False,
         quantization: str | None = None,
         quantization_group_size: int | None = None,
+        tensor_parallel_size: int = 1,
+        distributed_timeout_s: float = 60.0,
     ):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -71,6 +79,7 @@ class LLM:
             lookahead_slots=speculative.tree_nodes(speculative.num_speculative_tokens) if speculative else 0,
             prepack_weights=prepack_weights, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, quantization=quantization, quantization_group_size=quantization_group_size,
+            tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call
@@ -78,6 +87,16 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do with ``tensor_parallel_size=1``); never hangs."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(
         self,

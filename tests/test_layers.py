@@ -27,8 +27,10 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("specdec.kernels", "specdec.device", "specdec.outputs"),
     ("specdec.ops",),
-    ("specdec.model", "specdec.cache", "specdec.sampling"),
-    ("specdec.config", "specdec.runner"),
+    # the sharded forward's pieces sit with the model; starting and driving workers with the runner
+    ("specdec.model", "specdec.cache", "specdec.sampling", "specdec.distributed.comm", "specdec.distributed.sharding",
+     "specdec.distributed.layers"),
+    ("specdec.config", "specdec.runner", "specdec.distributed"),
     ("specdec.spec_decode",),
     ("specdec.engine",),
     ("specdec.llm", "specdec.serve", "specdec.training", "specdec.cli", "specdec.__main__", "specdec"),

@@ -25,6 +25,7 @@ from specdec.engine.request_validation import validate_request
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
 from specdec.engine.sequence import Sequence, Status
 from specdec.engine.step import RequestUpdate, compute_step, undo_step
+from specdec.engine.tensor_parallel import start_workers
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_model
 from specdec.model.tokenizer import Tokenizer
@@ -44,15 +45,29 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model_path)
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.device = config.device
-        self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
-                                self.model_config, config.prepack_weights, config.quantization,
-                                config.quantization_group_size, config.gguf_source)
+        # tensor parallelism: rank 0's shards, the other ranks' worker processes (None: one process)
+        self.workers = start_workers(config, speculative)
+        try:
+            self._build(config, speculative)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, speculative: SpeculativeConfig | None) -> None:
+        if self.workers is not None:
+            self.model, self.pool = self.workers.shards[0]
+        else:
+            self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
+                                    self.model_config, config.prepack_weights, config.quantization,
+                                    config.quantization_group_size, config.gguf_source)
+            self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype,
+                               config.device)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           _prefix_caching(config, speculative))
-        self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype, config.device)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
-        self.speculative = (SpeculativeDecoder(config, speculative, self.tokenizer, target=self.model)
-                            if speculative else None)
+        draft_shard = self.workers.shards[1] if self.workers is not None and len(self.workers.shards) > 1 else None
+        self.speculative = (SpeculativeDecoder(config, speculative, self.tokenizer, target=self.model,
+                                               draft_shard=draft_shard) if speculative else None)
         # the target's pool first (its prefix cache decides where a request starts), then the proposer's, allocated
         # in lockstep; a decoding request reserves its lookahead (speculation budget) beyond its last token
         self.block_managers = [self.block_manager, *(self.speculative.block_managers if self.speculative else [])]
@@ -62,7 +77,7 @@ class LLMEngine:
         if self.speculative is not None:  # (no closure over the engine: a reference cycle would keep its pools alive)
             self.scheduler.on_free.append(functools.partial(_free_proposer_state, self.speculative))
         mode = static_forward_mode(config.device, config.enforce_eager)
-        if mode is not None:
+        if mode is not None and self.workers is None:  # NOTE: no static forwards under tensor parallelism yet
             self.enable_static_forward(mode)
         if self.speculative is not None:  # adaptive k's costs, measured before the first request
             self.speculative.calibrate(self.runner)
@@ -80,7 +95,10 @@ class LLMEngine:
         CPU (tests, ``bench.host_overhead --static``). Takes one block of each pool for padding rows
         (``EngineConfig.create`` sizes the pools with one to spare when graphs are on). ``block_buckets``: the
         block-table widths served (None: one, the widest; the CPU attention gathers the whole width, so on CPU
-        several widths keep short sequences cheap)."""
+        several widths keep short sequences cheap). Not under tensor parallelism (``ValueError``)."""
+        if self.workers is not None:
+            raise ValueError("static forwards (CUDA graphs, torch.compile) are not supported with "
+                             "tensor_parallel_size > 1 yet")
         spec = self.speculative
         k = spec.k_max if spec is not None else 0
         max_seq_len = self.config.max_model_len + (spec.max_tree_nodes if spec is not None else 0) + 1
@@ -89,6 +107,18 @@ class LLMEngine:
         draft_model = spec.draft_model if spec is not None else None
         if draft_model is not None:
             draft_model.runner.enable_static_forward(mode, (1,), max_seq_len, max_batch, block_buckets)
+
+    # --- lifetime ------------------------------------------------------------------------------------------
+    @property
+    def health_error(self) -> str | None:
+        """Why the engine cannot run another step (a tensor-parallel worker died or hung), or None."""
+        return self.workers.error if self.workers is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op for a one-process engine); never hangs, idempotent. The
+        engine cannot step afterwards. Also done when the engine is collected and at interpreter exit."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # --- requests ------------------------------------------------------------------------------------------
     def validate_request(

@@ -18,6 +18,9 @@ import torch
 from torch import nn
 
 from specdec import ops
+from specdec.distributed.comm import TPGroup
+from specdec.distributed.layers import VocabParallelEmbedding
+from specdec.distributed.sharding import ShardLayout
 from specdec.model.config import ModelConfig
 from specdec.model.linear import Linear, dynamo_tracing
 from specdec.model.rope import RotaryEmbedding
@@ -82,17 +85,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+    """GQA attention on the paged cache. Under tensor parallelism (``group``) this rank's heads only: qkv is
+    column-parallel, o_proj row-parallel, followed by one all-reduce (specdec/distributed/sharding.py)."""
+
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layout: ShardLayout | None = None,
+                 group: TPGroup | None = None):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        layout = layout or ShardLayout.of(config)
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
+        self.q_size = layout.q_size
+        self.kv_size = layout.kv_size
         self.scale = self.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rope = rope
+        self.group = group
 
     def forward(
         self,
@@ -120,30 +129,35 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q_lens, self.scale,
             meta.tree_mask, meta.tree_mask_indptr, uniform_q_len=meta.uniform_q_len,
         )  # (T, Hq, D)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden): this rank's heads' share
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul. Under tensor parallelism
+    (``group``) this rank's share of the intermediate features, followed by one all-reduce."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layout: ShardLayout | None = None, group: TPGroup | None = None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        layout = layout or ShardLayout.of(config)
+        self.intermediate_size = layout.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, config.hidden_size, bias=False)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each (T, I / N)
+        out = self.down_proj(nn.functional.silu(gate) * up)  # (T, hidden): this rank's share
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, layout: ShardLayout, group: TPGroup | None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rope)
+        self.self_attn = Attention(config, rope, layout, group)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, layout, group)
 
     def forward(self, x, positions, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
@@ -151,7 +165,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Qwen2 decoder. ``forward`` returns fp32 logits ``[N, V]`` for the rows in ``logits_indices``."""
+    """Llama / Qwen2 decoder. ``forward`` returns fp32 logits ``[N, V]`` for the rows in ``logits_indices``.
+
+    ``group``: this rank's tensor-parallel group (None: the whole model in this process). Then the model holds
+    rank ``group.rank``'s shard (``ShardLayout``; specdec/distributed/sharding.py), every rank runs the same
+    forward on the same inputs, and the logits are gathered on rank 0 - the other ranks' forwards return None.
+    ``config`` stays the full model's.
+    """
 
     # HF checkpoint name fragment -> (fused parameter fragment, shard index)
     _FUSED = {
@@ -162,14 +182,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None, group: TPGroup | None = None):
         super().__init__()
         self.config = config
+        self.group = group
+        self.layout = ShardLayout.of(config, group.rank, group.size) if group is not None else ShardLayout.of(config)
         self.rope = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.rope) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if group is None
+                             else VocabParallelEmbedding(self.layout, config.hidden_size, group))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.rope, self.layout, group)
+                                    for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, self.layout.vocab_per_rank, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -210,9 +234,15 @@ class LlamaForCausalLM(nn.Module):
         ``inference_mode`` decorator (see ``forward_traceable``)."""
         return self.norm(self._decoder(input_ids, positions, kv_cache, meta))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits ``[N, V]`` of final-norm hidden states ``[N, hidden]``."""
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits ``[N, V]`` of final-norm hidden states ``[N, hidden]``. Under tensor parallelism each rank
+        computes its vocabulary shard ``[N, V / size]`` and rank 0 gathers them (one gather per forward; the other
+        ranks get None)."""
+        logits = self.lm_head(hidden).float()  # (N, V) or (N, V / size)
+        if self.group is None:
+            return logits
+        full = self.group.gather_last_dim(logits)  # (N, size * V / size) on rank 0, None elsewhere
+        return None if full is None else full[:, : self.config.vocab_size]
 
     @torch.inference_mode()
     def forward_with_aux_hidden(
@@ -254,9 +284,16 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         fused_parts: dict[str, set[int]] = {}
-        for hf_name, source in weights:
+        for hf_name, full_source in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
+                continue
+            source = self.layout.slice_of(hf_name, full_source)  # this rank's share (the whole tensor at size 1)
+            if name in ("embed_tokens.weight", "lm_head.weight") and name in params:
+                param = params[name].data  # (V / size, hidden): the last shard's padding rows stay zero
+                param[source.shape[0] :].zero_()
+                _write(param[: source.shape[0]], source, hf_name)
+                loaded.add(name)
                 continue
             for fragment, (fused, shard) in self._FUSED.items():
                 if f".{fragment}." in name:
@@ -282,12 +319,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
 
     def _fused_rows(self, fused: str, shard: int) -> tuple[int, int]:
-        """(first row, rows) of part ``shard`` in the fused parameter ``fused`` ("qkv_proj" or "gate_up_proj")."""
-        c = self.config
+        """(first row, rows) of part ``shard`` in the fused parameter ``fused`` ("qkv_proj" or "gate_up_proj"), this
+        rank's share of it under tensor parallelism."""
+        lay = self.layout
         if fused == "qkv_proj":
-            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            q, kv = lay.q_size, lay.kv_size
             return ((0, q), (q, kv), (q + kv, kv))[shard]
-        return shard * c.intermediate_size, c.intermediate_size
+        return shard * lay.intermediate_size, lay.intermediate_size
 
 
 def _param(params: dict[str, nn.Parameter], name: str, source: str) -> nn.Parameter:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
+from specdec.distributed.comm import TPGroup
 from specdec.model.config import ModelConfig
 from specdec.model.linear import check_prepack_option, prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
@@ -120,7 +121,7 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(
     path: str, dtype: torch.dtype, device: torch.device, max_positions: int, config: ModelConfig | None = None,
     prepack_weights: bool | None = None, quantization: str | None = None, quantization_group_size: int | None = None,
-    gguf_path: str | None = None, shared_embedding: torch.nn.Parameter | None = None,
+    gguf_path: str | None = None, shared_embedding: torch.nn.Parameter | None = None, group: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed).
 
@@ -133,12 +134,17 @@ def load_model(
     ``quantization``: None, "int8" or "int4" - every linear but a tied LM head quantised while loading
     (specdec/model/quant/load.py), group ``quantization_group_size``; ``gguf_path``: the GGUF the folder was
     converted from, whose Q4_0 / Q4_1 / Q8_0 blocks are kept where they map exactly. ``shared_embedding``: use
-    this embedding tensor (a self draft shares the target's) instead of reading one.
+    this embedding tensor (a self draft shares the target's) instead of reading one. ``group``: load rank
+    ``group.rank``'s tensor-parallel shard only - every tensor's slice read straight from its file
+    (``ShardLayout.slice_of``, ``TensorSlice``), so a rank never holds more than its share plus the replicated
+    norms (specdec/distributed/sharding.py); not with ``quantization`` or ``shared_embedding``.
     """
     check_prepack_option(prepack_weights, dtype, torch.device(device))
     config = config or ModelConfig.from_json(path)
+    if group is not None and (quantization is not None or shared_embedding is not None):
+        raise ValueError("a tensor-parallel shard cannot be quantised or share an embedding (not implemented)")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=max_positions)
+        model = LlamaForCausalLM(config, max_positions=max_positions, group=group)
     model = model.to(dtype)  # meta -> meta in dtype (free)
     if quantization is not None or shared_embedding is not None:
         from specdec.model.quant.load import load_quantized

@@ -51,27 +51,78 @@ class TensorEntry:
         """Fill ``dest`` (same shape; any dtype and device; contiguous) with this tensor's values, converted to
         ``dest.dtype`` as ``Tensor.copy_`` converts. A CPU destination of the stored dtype is read into directly;
         otherwise through a scratch buffer of at most ``chunk_bytes`` (whole rows of the first dimension)."""
+        TensorSlice(self, 0, 0, self.shape[0] if self.shape else 1).read_into(dest, chunk_bytes)
+
+    def narrow(self, dim: int, start: int, length: int) -> TensorSlice:
+        """Rows (``dim`` 0) or columns (``dim`` 1, a 2-D tensor) ``[start, start + length)`` of this tensor, read
+        on demand like the tensor itself (a tensor-parallel rank's share: specdec/distributed/sharding.py)."""
+        return TensorSlice(self, dim, start, length)
+
+
+@dataclass(frozen=True)
+class TensorSlice:
+    """Rows or columns ``[start, start + length)`` of a ``TensorEntry``, read straight from the file.
+
+    Rows are one contiguous byte range: only they are read. Columns (dim 1 of a 2-D tensor: a row-parallel
+    linear's input features) are strided: whole rows pass through a scratch buffer of at most ``chunk_bytes``
+    and only the wanted columns are kept, so the file's bytes are read but the process never holds more than the
+    slice plus one chunk."""
+
+    entry: TensorEntry
+    dim: int
+    start: int
+    length: int
+
+    def __post_init__(self) -> None:
+        full = self.entry.shape or (1,)  # a scalar reads as one row
+        if self.dim not in (0, 1) or (self.dim == 1 and len(full) != 2):
+            raise ValueError(f"cannot slice tensor {self.entry.name!r} of shape {full} along dim {self.dim}")
+        if not (0 <= self.start and self.length >= 0 and self.start + self.length <= full[self.dim]):
+            raise ValueError(f"slice [{self.start}, {self.start + self.length}) of dim {self.dim} is outside tensor "
+                             f"{self.entry.name!r} of shape {full}")
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = list(self.entry.shape) or [1]
+        shape[self.dim] = self.length
+        return tuple(shape) if self.entry.shape else ()
+
+    def read(self) -> torch.Tensor:
+        """The slice, freshly allocated on CPU in the stored dtype."""
+        out = torch.empty(self.shape, dtype=self.entry.dtype)
+        self.read_into(out)
+        return out
+
+    def read_into(self, dest: torch.Tensor, chunk_bytes: int = CHUNK_BYTES) -> None:
+        """Fill ``dest`` (this slice's shape; any dtype and device; contiguous), converted to ``dest.dtype``."""
+        e = self.entry
         if tuple(dest.shape) != self.shape:
-            raise ValueError(f"tensor {self.name!r} in {self.file} has shape {self.shape}, the destination "
+            raise ValueError(f"tensor {e.name!r} in {e.file} (slice) has shape {self.shape}, the destination "
                              f"{tuple(dest.shape)}")
         if not dest.is_contiguous():
-            raise ValueError(f"read_into needs a contiguous destination for {self.name!r}")
-        with open(self.file, "rb", buffering=0) as f:
-            f.seek(self.offset)
-            if dest.device.type == "cpu" and dest.dtype == self.dtype:
-                _read_exact(f, dest, self.name, self.file)
+            raise ValueError(f"read_into needs a contiguous destination for {e.name!r}")
+        full_row = math.prod(e.shape[1:]) if e.shape else 1  # elements of one stored row
+        item = _itemsize(e.dtype)
+        rows = self.length if self.dim == 0 else (e.shape[0] if e.shape else 1)
+        first_row = self.start if self.dim == 0 else 0
+        cols = (self.start, self.length) if self.dim == 1 else (0, full_row)
+        with open(e.file, "rb", buffering=0) as f:
+            f.seek(e.offset + first_row * full_row * item)
+            if self.dim == 0 and dest.device.type == "cpu" and dest.dtype == e.dtype:
+                _read_exact(f, dest, e.name, e.file)
                 return
-            rows = self.shape[0] if self.shape else 1
-            row_elems = math.prod(self.shape[1:]) if self.shape else 1
-            row_bytes = max(1, row_elems * _itemsize(self.dtype))
-            step = max(1, chunk_bytes // row_bytes)
-            flat = dest.view(rows, row_elems)  # (rows, row_elems): chunks are whole rows
-            scratch = torch.empty(min(step, rows) * row_elems, dtype=self.dtype)
+            step = max(1, chunk_bytes // max(1, full_row * item))
+            flat = dest.reshape(rows, cols[1])  # (rows, kept elements per row): chunks are whole rows
+            scratch = torch.empty(min(step, rows) * full_row, dtype=e.dtype)
             for start in range(0, rows, step):
                 n = min(step, rows - start)
-                part = scratch[: n * row_elems]
-                _read_exact(f, part, self.name, self.file)
-                flat[start : start + n].copy_(part.view(n, row_elems))
+                part = scratch[: n * full_row]
+                _read_exact(f, part, e.name, e.file)
+                flat[start : start + n].copy_(part.view(n, full_row)[:, cols[0] : cols[0] + cols[1]])
 
 
 def _itemsize(dtype: torch.dtype) -> int:

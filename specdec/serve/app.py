@@ -52,9 +52,10 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
 
     @app.get("/health")
     async def health() -> Response:
-        if async_engine.is_alive:
+        error = engine.health_error  # a tensor-parallel worker died or hung (docs/tensor_parallel.md)
+        if async_engine.is_alive and error is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "error", "error": async_engine.loop_error}, status_code=503)
+        return JSONResponse({"status": "error", "error": async_engine.loop_error or error}, status_code=503)
 
     @app.get("/v1/models")
     async def models() -> Response:

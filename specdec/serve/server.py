@@ -24,5 +24,8 @@ def run_server(model: str, model_name: str, host: str, port: int, max_waiting: i
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             access_log=os.environ.get("SPECDEC_ACCESS_LOG") == "1")
     server = uvicorn.Server(config)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.shutdown()  # the tensor-parallel workers, if any
     return list(getattr(server, "_captured_signals", []))  # uvicorn's record of the signals it handled

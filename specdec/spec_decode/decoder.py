@@ -53,7 +53,7 @@ class DraftRound:
 
 class SpeculativeDecoder:
     def __init__(self, config: EngineConfig, spec_config: SpeculativeConfig, tokenizer: Tokenizer | None,
-                 target: LlamaForCausalLM | None = None):
+                 target: LlamaForCausalLM | None = None, draft_shard: tuple | None = None):
         self.spec_config = spec_config
         self.max_model_len = config.max_model_len
         self.vocab_size = config.model_config.vocab_size
@@ -66,7 +66,7 @@ class SpeculativeDecoder:
         self._arms: dict[int, Arm] = {}  # seq id -> the arm chosen at its last lookahead (adaptive choices only)
         self.proposer: Proposer = build_proposer(config, spec_config, tokenizer, self.timer,
                                                  self.cost_model.observe_draft if self.timer is not None else None,
-                                                 target=target)
+                                                 target=target, draft_shard=draft_shard)
         self.max_positions = self.proposer.max_positions or config.max_model_len
         self.stats = {"rollback_freed_blocks": 0}  # engine-wide counters (tests assert page-boundary rollbacks)
         self.batch_size = 1  # running requests, refreshed every step (adaptive k is chosen per batch size)

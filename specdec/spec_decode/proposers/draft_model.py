@@ -21,7 +21,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from specdec import ops
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.device import to_device
@@ -57,15 +56,18 @@ class DraftModelProposer:
             (kernels/block_verify.py).
         timer, on_forward: adaptive k's draft timings (``on_forward(batch_size, seconds)`` per pure draft step);
             None when adaptive k is off (nothing is timed).
+        pool: the draft's KV pool of ``num_blocks`` blocks, when the caller built it (a tensor-parallel draft's:
+            this rank's heads, compactions broadcast to the other ranks); None: a new ``KVPool``.
     """
 
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, target_vocab_size: int, max_positions: int,
                  tree_shape: TreeShape | None = None, noise_per_round: bool = False,
-                 timer: ForwardTimer | None = None, on_forward: Callable[[int, float], None] | None = None):
+                 timer: ForwardTimer | None = None, on_forward: Callable[[int, float], None] | None = None,
+                 pool: KVPool | None = None):
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size)
-        pool = KVPool(config, num_blocks, block_size, dtype, device)
+        pool = pool if pool is not None else KVPool(config, num_blocks, block_size, dtype, device)
         self.runner = ModelRunner(model, pool, self.block_manager, device)
         self.target_vocab_size = target_vocab_size
         self.vocab_size = config.vocab_size  # <= target_vocab_size (proposers/compat.py)
@@ -153,7 +155,7 @@ class DraftModelProposer:
     # --- the cache after verification -----------------------------------------------------------------------
     def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
         """After a tree round: move each accepted path's fed nodes (they sit level by level after the root) to
-        ``ctx + 1 ..`` in the draft cache with one ``ops.kv_compact``, and let the valid length cover them. Only the
+        ``ctx + 1 ..`` in the draft cache with one ``KVPool.compact``, and let the valid length cover them. Only the
         path's fed prefix moves (a fed node's ancestors are fed); the rest - its last node when that is a leaf at
         the depth cap, and the bonus token - is left to the next catch-up forward. Only positions beyond each
         request's committed KV are written, so a step that fails after this is still undone by ``discard``."""
@@ -174,8 +176,7 @@ class DraftModelProposer:
             self.kv_len[request.seq_id] = ctx + 1 + kept
         if src:
             device = self.runner.device
-            ops.kv_compact(self.runner.pool.tensors, to_device(src, torch.int64, device),
-                           to_device(dst, torch.int64, device))
+            self.runner.pool.compact(to_device(src, torch.int64, device), to_device(dst, torch.int64, device))
 
     def rollback(self, request: RequestView, kv_len: int) -> None:
         """A round was committed keeping ``kv_len`` tokens: the valid length is capped there and whole blocks

@@ -25,7 +25,7 @@ from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
                    timer: ForwardTimer | None = None,
                    on_draft_forward: Callable[[int, float], None] | None = None,
-                   target: LlamaForCausalLM | None = None) -> Proposer:
+                   target: LlamaForCausalLM | None = None, draft_shard: tuple | None = None) -> Proposer:
     """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram", "combined" (a model-free
     lookup first, the draft model for the requests it has nothing for), or "eagle3" (an EAGLE-3 head).
 
@@ -35,6 +35,8 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
         timer, on_draft_forward: adaptive k's draft timings (None when adaptive k is off).
         target: the loaded target model (an EAGLE-3 head without its own embedding shares the target's; a
             ``draft_model="self"`` draft shares its embedding, and its LM head when tied).
+        draft_shard: a tensor-parallel draft already loaded on every rank: rank 0's ``(model, pool)``
+            (specdec/distributed/driver.py), used instead of loading the draft here.
     Raises ``ValueError`` when the draft model or head cannot draft for this target (proposers/compat.py,
     ``Eagle3Config.check_target``) or a head is not in the published EAGLE-3 layout.
     """
@@ -42,7 +44,7 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
         return _load_eagle3(config, spec, target, timer, on_draft_forward)
     model = None
     if spec.uses_draft_model:
-        model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward, target)
+        model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward, target, draft_shard)
     if spec.method == "draft_model":
         return model
     lookup = _model_free(spec, spec.combined_lookup if spec.method == "combined" else spec.method)
@@ -81,7 +83,8 @@ def _load_eagle3(config: EngineConfig, spec: SpeculativeConfig, target: LlamaFor
 
 def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
                       timer: ForwardTimer | None, on_forward: Callable[[int, float], None] | None,
-                      target_model: LlamaForCausalLM | None = None) -> DraftModelProposer:
+                      target_model: LlamaForCausalLM | None = None, shard: tuple | None = None
+                      ) -> DraftModelProposer:
     is_self = spec.draft_model == "self"
     path = config.model_path if is_self else resolve_model_path(spec.draft_model)
     gguf_source = config.gguf_source if is_self else gguf_source_of(spec.draft_model, path)
@@ -100,6 +103,12 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
         shared = target_model.embed_tokens.weight
     # the draft writes positions up to max_model_len - 1 at most, like the target
     max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
+    if shard is not None:  # sharded over every rank (specdec/engine/tensor_parallel.py loaded it)
+        model, pool = shard
+        return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
+                                  config.model_config.vocab_size, max_positions, tree_shape=_tree_shape(spec),
+                                  noise_per_round=spec.verify == "block", timer=timer, on_forward=on_forward,
+                                  pool=pool)
     model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
                        False if config.prepack_weights is False else None,  # its dtype may not support prepacking
                        spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared)

@@ -1,0 +1,115 @@
+"""A tensor-parallel worker (ranks >= 1): load this rank's shards, join the group, then run what the driver sends.
+
+The loop blocks on its pipe from the driver (no timeout, no polling): a header says what comes next - a forward
+or a KV compaction of model ``model_id`` - and the payload follows as one broadcast. Between steps a worker is
+idle in ``recv`` for as long as the engine is, so the collectives' timeout bounds only the work of one forward.
+The pipe closing (the driver exited, however it exited) ends the worker; so does any failure - the ranks no
+longer agree after one, and the driver sees its next collective fail.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from specdec.cache.kv_pool import KVPool
+from specdec.distributed.comm import TPGroup
+from specdec.distributed.payload import CompactHeader, ForwardHeader, unpack_forward
+from specdec.model.config import ModelConfig
+from specdec.model.llama import LlamaForCausalLM
+from specdec.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+CONNECT = "connect"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model every rank shards (the target, and the draft under ``draft_tensor_parallel_size == N``)."""
+
+    path: str
+    config: ModelConfig
+    dtype: torch.dtype
+    max_positions: int
+    num_blocks: int
+    block_size: int
+    prepack_weights: bool | None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    size: int
+    store_host: str
+    store_port: int
+    device_type: str  # "cpu" (gloo) or "cuda" (NCCL; rank r on cuda:r)
+    timeout_s: float
+    num_threads: int
+    models: tuple[ModelSpec, ...]
+
+
+def load_shard(spec: ModelSpec, group: TPGroup, device: torch.device) -> tuple[LlamaForCausalLM, KVPool]:
+    """This rank's shard of ``spec``'s model and its KV pool (this rank's kv heads)."""
+    model = load_model(spec.path, spec.dtype, device, spec.max_positions, spec.config, spec.prepack_weights,
+                       group=group)
+    pool = KVPool(spec.config, spec.num_blocks, spec.block_size, spec.dtype, device, model.layout.num_kv_heads)
+    return model, pool
+
+
+def run_worker(spec: WorkerSpec, conn) -> None:
+    """The process entry of rank ``spec.rank`` (spawned by ``launcher.py``). Reports ("ready", None) or ("error",
+    traceback) through ``conn`` after loading, waits for ``CONNECT``, then serves until ``SHUTDOWN`` or EOF."""
+    torch.set_num_threads(spec.num_threads)
+    device = torch.device(f"cuda:{spec.rank}") if spec.device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = TPGroup(spec.rank, spec.size, device, spec.timeout_s)
+    try:
+        shards = [load_shard(m, group, device) for m in spec.models]
+        conn.send(("ready", None))
+        if conn.recv() != CONNECT:
+            return
+        store = dist.TCPStore(spec.store_host, spec.store_port, spec.size, False,
+                              timeout=datetime.timedelta(seconds=max(spec.timeout_s, 30.0)))
+        group.connect(store)
+        serve(conn, group, shards)
+    except EOFError:
+        pass  # the driver is gone
+    except BaseException:  # noqa: BLE001 - reported, then the process ends (the driver's collectives fail)
+        message = traceback.format_exc()
+        print(f"specdec tensor-parallel worker rank {spec.rank} failed:\n{message}", file=sys.stderr, flush=True)
+        try:
+            conn.send(("error", message))
+        except OSError:
+            pass
+    finally:
+        group.abort()
+
+
+def serve(conn, group: TPGroup, shards: list[tuple[LlamaForCausalLM, KVPool]]) -> None:
+    """Run every forward / compaction the driver sends until ``SHUTDOWN`` (or EOF: ``EOFError``)."""
+    while True:
+        header = conn.recv()
+        if header == SHUTDOWN:
+            return
+        if isinstance(header, ForwardHeader):
+            model, pool = shards[header.model_id]
+            payload = torch.empty(header.numel, dtype=torch.int64, device=group.device)
+            group.broadcast(payload)
+            ids, positions, meta, logits_indices = unpack_forward(header, payload)
+            model(ids, positions, pool.tensors, meta, logits_indices)  # returns None off rank 0
+        elif isinstance(header, CompactHeader):
+            _, pool = shards[header.model_id]
+            moves = torch.empty(2 * header.num_moves, dtype=torch.int64, device=group.device)
+            group.broadcast(moves)
+            pool.compact(moves[: header.num_moves], moves[header.num_moves :])
+        else:
+            raise RuntimeError(f"unknown command from the driver: {header!r}")

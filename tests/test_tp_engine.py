@@ -1,0 +1,92 @@
+"""Tensor parallelism under the engine (2 gloo ranks on CPU): ``LLM(tensor_parallel_size=2)`` gives the
+one-process engine's greedy tokens, plain and speculative (a sharded draft model's chains, a rank-0 draft's
+trees, prompt lookup), and speculative sampling stays lossless (the exact-joint oracle of test_spec_lossless.py).
+Bad tensor-parallel configurations are refused before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+import test_spec_lossless as lossless
+from tiny_models import make_tiny_model
+
+from specdec import LLM, SamplingParams, SpeculativeConfig
+
+PROMPTS = ["hello there, the cat", "the cat sat on the mat, the cat sat on the", "in the beginning"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+OPTS = {"dtype": "float32", "max_model_len": 96, "block_size": 4, "num_kv_blocks": 96}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_engine")
+    target, draft = str(root / "target"), str(root / "draft")
+    make_tiny_model(target, model_type="qwen2", vocab_size=301, num_heads=4, num_kv_heads=2)
+    make_tiny_model(draft, model_type="qwen2", vocab_size=301, num_heads=4, num_kv_heads=2, seed=5,
+                    perturb_from=target, perturb_scale=0.3)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    """The one-process engine's greedy tokens (no speculation)."""
+    return [o.outputs[0].token_ids for o in LLM(pair[0], **OPTS).generate(PROMPTS, GREEDY)]
+
+
+def tp_tokens(target: str, spec: SpeculativeConfig | None = None) -> tuple[list[list[int]], dict]:
+    with LLM(target, tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        procs = list(llm.engine.workers.procs)
+        stats = llm.engine.stats
+    assert all(not p.is_alive() for p in procs), "shutdown left a worker behind"
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+def test_plain_greedy_matches_one_process(pair, reference):
+    tokens, _ = tp_tokens(pair[0])
+    assert tokens == reference
+
+
+@pytest.mark.parametrize("label,spec", [
+    ("sharded draft, chains", lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=3)),
+    ("rank-0 draft, trees", lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=3, tree=[2, 2, 1],
+                                                        tree_policy="always", draft_tensor_parallel_size=1)),
+    ("sharded draft, trees", lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=3, tree=[2, 1, 1],
+                                                         tree_policy="always")),
+    ("prompt lookup", lambda d: SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=3)),
+])
+def test_speculative_greedy_matches_plain(pair, reference, label, spec):
+    tokens, stats = tp_tokens(pair[0], spec(pair[1]))
+    assert tokens == reference, label
+    assert stats["failed_requests"] == 0
+
+
+def test_speculative_sampling_is_lossless_under_tp(tmp_path):
+    """The sampled joint of tokens 1..4 (k = 2) under TP=2 with a sharded draft against the exact target joint."""
+    target, draft = lossless.make_lossless_pair(tmp_path)
+    cfg, k = lossless.CONFIGS["top_k_top_p"], 2
+    m = k + 2
+    joint = lossless.exact_joint(lossless.target_prefix_logits(target, lossless.PROMPT, m), cfg, m)
+    spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=k)
+    with LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256, kv_cache_memory_gb=0.02,
+             speculative=spec, tensor_parallel_size=2) as llm:
+        counts, metrics = lossless.run(llm, cfg, m, lossless.N, "TP=2 top_k_top_p k=2")
+    stat, bound = lossless.check("TP=2", counts, joint)
+    assert stat < bound, f"speculative sampling under TP=2 is not lossless (chi-square {stat:.1f} >= {bound:.1f})"
+    assert sum(x["accepted"] < x["drafted"] for x in metrics) > lossless.N // 10  # rejections happened
+
+
+@pytest.mark.parametrize("kwargs,spec,match", [
+    ({"tensor_parallel_size": 3}, None, "must divide num_attention_heads"),
+    ({"tensor_parallel_size": 0}, None, "integer >= 1"),
+    ({"tensor_parallel_size": 2, "quantization": "int8"}, None, "quantization is not supported"),
+    ({"tensor_parallel_size": 2, "distributed_timeout_s": 0}, None, "distributed_timeout_s"),
+    ({"tensor_parallel_size": 2}, {"draft_tensor_parallel_size": 3}, "must be 1 .* or the target's"),
+    ({"tensor_parallel_size": 2}, {"draft_model": "self"}, "draft_model='self'"),
+])
+def test_bad_configurations_are_refused(pair, kwargs, spec, match):
+    speculative = None
+    if spec is not None:
+        speculative = SpeculativeConfig(**{"draft_model": pair[1], **spec})
+    with pytest.raises(ValueError, match=match):
+        LLM(pair[0], speculative=speculative, **{**OPTS, **kwargs})
