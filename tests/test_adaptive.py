@@ -96,7 +96,7 @@ def test_warm_up_samples_stand_in_only_while_a_batch_size_has_nothing_else():
 
 
 def _run(costs, decisions, k_cap=4, **kwargs):
-    ada = AdaptiveK(k_max=k_cap, cost_model=costs, **kwargs)
+    ada = AdaptiveK(k_max=k_cap, cost_model=costs, optimism=0.0, **kwargs)  # no rounds observed: the schedule only
     return [ada.choose(0, 1, k_cap) for _ in range(decisions)]
 
 
@@ -113,7 +113,7 @@ def test_exploration_visits_every_k_deterministically_and_rarely():
 
 def test_short_requests_still_explore():
     """Exploration is staggered across requests, so requests shorter than 16 decisions explore too."""
-    ada = AdaptiveK(k_max=4, cost_model=FixedCostModel(c=0.0, verify_slope=0.14))
+    ada = AdaptiveK(k_max=4, cost_model=FixedCostModel(c=0.0, verify_slope=0.14), optimism=0.0)
     choices = []
     for seq in range(32):
         choices += [ada.choose(seq, 1, 4) for _ in range(6)]
@@ -123,11 +123,13 @@ def test_short_requests_still_explore():
 
 
 def test_speculation_off_with_periodic_probes():
-    # a pricey draft: off; a probe every probe_every plain steps, alternating the best-valued k >= 1 (here 1) and the
-    # k >= 1 gone longest without (ties: the larger), so every k is measured again
+    # a pricey draft: off; probes after 2 plain steps, then 4, 8, ... up to every probe_every, alternating the
+    # best-valued k >= 1 (here 1) and the k >= 1 gone longest without (ties: the larger), so every k is measured again
     choices = _run(FixedCostModel(c=5.0), 64, probe_every=4)
-    assert [i for i, k in enumerate(choices) if k] == list(range(3, 64, 4))
+    assert [i for i, k in enumerate(choices) if k] == [1, *range(5, 64, 4)]
     assert [k for k in choices if k] == [1, 4, 1, 3, 1, 2] * 2 + [1, 4, 1, 3]
+    choices = _run(FixedCostModel(c=5.0), 100, probe_every=16)
+    assert [i for i, k in enumerate(choices) if k] == [1, 5, 13, 29, 45, 61, 77, 93]  # gaps 2, 4, 8, then 16
     # a free drafter whose verification does not pay: off, the same probes
     choices = _run(FixedCostModel(c=0.0, verify_slope=2.0), 64, probe_every=4)
     assert choices.count(0) == 48 and set(choices) == {0, 1, 2, 3, 4}
@@ -249,7 +251,7 @@ def test_trees_are_measured_not_assumed():
     ada = AdaptiveK(k_max=3, cost_model=FixedCostModel(c=0.0, verify_slope=0.05), tree_nodes=lambda d: 3 * d,
                     adapt_depth=False)
     assert ada.choose_arm(0, 1, 3, trees=True) == (3, False)
-    assert ada.expected_tree_tokens(0, 3) == pytest.approx(ada.expected_tokens(0, 3))
+    assert ada.expected_tree_tokens(0, 3) == pytest.approx(ada.expected_tokens(0, 3, optimistic=True))
     for _ in range(20):
         ada.observe(0, drafted=3, accepted=3, tree=True)
     assert ada.expected_tree_tokens(0, 3) > 3.5
@@ -275,3 +277,24 @@ def test_cpu_forwards_are_timed_by_thread_cpu_time_with_one_thread():
     finally:
         torch.set_num_threads(threads)
     assert recorded[0] < 0.025 <= 0.05 <= recorded[1], recorded
+
+
+@pytest.mark.parametrize("optimism", [1.0, 0.0])
+def test_one_early_rejection_does_not_park_a_request_at_a_short_k(optimism):
+    """A code-like stream (every draft accepted) whose first chain of 2 was rejected at position 2, with costs that
+    make k = 4 best (c = 0.25, flat verification). With optimism the request drafts k = 4 from its next decision
+    on; the point estimates alone (optimism 0, the previous rule) start again at k = 1 and climb one step at a time
+    (on the Qwen pair, with its measured costs, they stayed at k = 1 for 14 of the first 16 decisions)."""
+    ada = AdaptiveK(k_max=4, cost_model=FixedCostModel(c=0.25, verify_slope=0.0), optimism=optimism)
+    ada.observe(0, drafted=1, accepted=1)
+    ada.observe(0, drafted=2, accepted=1)  # the unlucky round: position 2 rejected once
+    chosen = []
+    for _ in range(16):
+        k = ada.choose(0, 1, 4)
+        chosen.append(k)
+        if k:
+            ada.observe(0, drafted=k, accepted=k)
+    if optimism:
+        assert chosen[:4] == [4, 4, 4, 4], chosen
+    else:  # the mutant: the old rule is caught by the same assertion
+        assert chosen[:4] != [4, 4, 4, 4] and min(chosen[:4]) <= 2, chosen

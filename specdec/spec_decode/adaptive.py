@@ -24,13 +24,25 @@ and its drafting: on a CPU where a 13-token window costs far more than a decode 
 nearly free (a GPU at small batch) it can be. ``adapt_depth=False`` (a tree configured without ``adaptive=True``)
 keeps the depth at the cap and only chooses tree or chain there, never a plain step.
 
+**Probes back off.** The first probe after a request turns speculation off comes 2 plain steps later, the next 4,
+then 8, then every ``probe_every``: a request whose early rounds were unlucky (or whose text changes) finds its
+way back within a few steps, and one where drafting does not pay spends about one probe round in 16 once settled.
+The gap starts again at 2 whenever the request chooses to draft by itself.
+
 **From any start.** The engine calibrates the cost model before the first request (``calibration.py``: every window
 length's forward and the draft step, at batch 1), so the first choices weigh measured costs. A plain step (k = 0)
-switches speculation off for the request; every ``probe_every`` plain steps it drafts once to re-measure. A probe
-takes the drafting arm the estimates value most - or, every other probe, the arm this batch size has gone longest
-without (ties: the deeper) - so the costs and acceptances of every arm get measured again. An engine that found short
-windows slow (on CPU a 2- or 3-row float32 GEMM can cost as much as a 5-row one or more) therefore still finds a long
-k that pays: probing only k = 1 - what this module did before - could never climb out of k = 0 there.
+switches speculation off for the request; after 2, 4, 8, then every ``probe_every`` plain steps it drafts once to re-
+measure. A probe takes the drafting arm the estimates value most - or, every other probe, the arm this batch size has
+gone longest without (ties: the deeper) - so the costs and acceptances of every arm get measured again. An engine that
+found short windows slow (on CPU a 2- or 3-row float32 GEMM can cost as much as a 5-row one or more) therefore still
+finds a long k that pays: probing only k = 1 - what this module did before - could never climb out of k = 0 there.
+
+**Optimism.** Choices weigh each position's acceptance plus ``optimism`` (1) standard errors of its estimate,
+``sqrt(r (1 - r) / (n + prior_weight))`` with n the rounds that ever reached the position (not decayed) - the
+upper-confidence rule of bandit problems. A position drafted rarely or never looks better than its point estimate,
+so a young request tries the longer chains early (one early rejection cannot park it at a short k, as it did when
+position 2 of a code prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as
+the request's own rounds accumulate. Reported acceptances (``position_acceptance``) are the point estimates.
 
 **Exploration** keeps every arm measured while drafting too, so a one-off outlier is washed out rather than avoided
 forever (only the chosen arm is ever timed): every ``explore_every`` (16) decisions of a request that drafts, it
@@ -42,6 +54,7 @@ and near-flat verify costs (the simulation in tests/test_adaptive.py) that is un
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -63,9 +76,11 @@ PLAIN = Arm(0)
 class _RequestState:
     reached: list[float] = field(default_factory=list)  # [k_max] decayed chain rounds that reached position j + 1
     accepted: list[float] = field(default_factory=list)  # [k_max] ... whose draft there was accepted
+    rounds_seen: list[int] = field(default_factory=list)  # [k_max] chain rounds that reached position j + 1, undecayed
     tree_rounds: list[float] = field(default_factory=list)  # [k_max] decayed tree rounds of depth d + 1
     tree_tokens: list[float] = field(default_factory=list)  # [k_max] ... their tokens emitted (accepted + 1)
     steps_off: int = 0
+    probe_gap: int = 2  # plain steps before the next probe: doubles per probe that changes nothing, to probe_every
     probes: int = 0
     decisions: int = 0  # choose() calls that could draft (cap >= 1)
     phase: int = 0  # staggers the exploration schedule across requests
@@ -78,7 +93,7 @@ class AdaptiveK:
     def __init__(self, k_max: int, cost_model: CostModel, probe_every: int = 16, decay: float = 0.9,
                  prior_accepted: float = 1.0, prior_rejected: float = 1.0, explore_every: int = 16,
                  prior_weight: float = 2.0, tree_nodes: Callable[[int], int] | None = None,
-                 adapt_depth: bool = True):
+                 adapt_depth: bool = True, optimism: float = 1.0):
         self.k_max = k_max
         self.cost_model = cost_model
         self.probe_every = probe_every
@@ -88,6 +103,7 @@ class AdaptiveK:
         self.prior_weight = prior_weight  # rounds' worth of the prior in each position's / depth's estimate
         self.tree_nodes = tree_nodes  # depth -> drafted nodes of the configured tree (None: chains only)
         self.adapt_depth = adapt_depth  # False: the depth stays at the cap (tree or chain there, never plain)
+        self.optimism = optimism  # standard errors added to a position's acceptance when choosing (0 = none)
         self._state: dict[int, _RequestState] = {}
         self._requests = 0  # requests seen, for the exploration phase
         self._clock = 0  # decisions made, over all requests
@@ -102,25 +118,33 @@ class AdaptiveK:
             return a / (a + r)
         return (sum(st.accepted) + a) / (sum(st.reached) + a + r)
 
-    def position_acceptance(self, seq_id: int) -> list[float]:
-        """r_j for j = 1..k_max: the probability that draft j is accepted given drafts 1..j-1 were."""
+    def position_acceptance(self, seq_id: int, optimistic: bool = False) -> list[float]:
+        """r_j for j = 1..k_max: the probability that draft j is accepted given drafts 1..j-1 were. ``optimistic``:
+        plus ``optimism`` standard errors of the estimate, ``sqrt(r (1 - r) / (n_j + prior_weight))`` with n_j the
+        rounds that ever reached position j (undecayed), capped at 1 - what choices use (see "Optimism" above)."""
         st = self._state.get(seq_id)
         pooled, w = self.alpha(seq_id), self.prior_weight
         if st is None:
-            return [pooled] * self.k_max
-        return [(acc + w * pooled) / (reach + w) for acc, reach in zip(st.accepted, st.reached)]
+            rates, seen = [pooled] * self.k_max, [0] * self.k_max
+        else:
+            rates = [(acc + w * pooled) / (reach + w) for acc, reach in zip(st.accepted, st.reached)]
+            seen = st.rounds_seen
+        if not optimistic or not self.optimism:
+            return rates
+        return [min(1.0, r + self.optimism * math.sqrt(r * (1.0 - r) / (n + w))) for r, n in zip(rates, seen)]
 
-    def expected_tokens(self, seq_id: int, k: int) -> float:
-        """E(k) = 1 + sum_{i=1..k} prod_{j<=i} r_j: tokens a chain round drafting k emits in expectation."""
+    def expected_tokens(self, seq_id: int, k: int, optimistic: bool = False) -> float:
+        """E(k) = 1 + sum_{i=1..k} prod_{j<=i} r_j: tokens a chain round drafting k emits in expectation
+        (``optimistic``: with the optimistic r_j of ``position_acceptance``)."""
         total, survive = 1.0, 1.0
-        for r in self.position_acceptance(seq_id)[:k]:
+        for r in self.position_acceptance(seq_id, optimistic)[:k]:
             survive *= r
             total += survive
         return total
 
     def expected_tree_tokens(self, seq_id: int, depth: int) -> float:
         """T(d): tokens a tree round of ``depth`` emits, its measured mean leaning on the chain's E(d)."""
-        prior, w = self.expected_tokens(seq_id, depth), self.prior_weight
+        prior, w = self.expected_tokens(seq_id, depth, optimistic=True), self.prior_weight
         st = self._state.get(seq_id)
         if st is None:
             return prior
@@ -136,7 +160,7 @@ class AdaptiveK:
             cost = cm.tree_draft_cost(arm.depth, batch_size) + cm.tree_verify_cost(nodes, batch_size)
             return self.expected_tree_tokens(seq_id, arm.depth) / cost
         cost = arm.depth * cm.draft_cost(batch_size) + cm.verify_cost(arm.depth, batch_size)
-        return self.expected_tokens(seq_id, arm.depth) / cost
+        return self.expected_tokens(seq_id, arm.depth, optimistic=True) / cost
 
     def arms(self, k_cap: int, trees: bool) -> list[Arm]:
         """The candidates: a plain step, chains and (``trees``) trees up to ``k_cap`` deep - only at the cap itself
@@ -174,8 +198,9 @@ class AdaptiveK:
         drafting = [a for a in arms if a.depth > 0]
         if best.depth == 0:
             st.steps_off += 1
-            if st.steps_off >= self.probe_every:  # probe: draft to re-measure acceptance and costs
+            if st.steps_off >= min(st.probe_gap, self.probe_every):  # probe: draft to re-measure acceptance and costs
                 st.steps_off = 0
+                st.probe_gap = min(2 * st.probe_gap, self.probe_every)
                 st.probes += 1
                 if st.probes % 2 == 1:  # the drafting arm the estimates value most
                     arm = self._best(seq_id, batch_size, drafting)
@@ -183,6 +208,7 @@ class AdaptiveK:
                     arm = min(drafting, key=lambda a: (self._last_chosen.get((batch_size, a), -1), -a.depth, a.tree))
         else:
             st.steps_off = 0
+            st.probe_gap = 2
             others = [a for a in drafting if a != best]
             if self.explore_every and others and (st.decisions + st.phase) % self.explore_every == 0:
                 arm = min(others, key=lambda a: (self._last_chosen.get((batch_size, a), -1), a.tree, a.depth))
@@ -207,13 +233,14 @@ class AdaptiveK:
         for j in range(reached):  # a position forgets only as it is measured again: a rarely reached one keeps
             st.reached[j] = st.reached[j] * self.decay + 1.0  # what its last rounds said
             st.accepted[j] = st.accepted[j] * self.decay + (j < accepted)
+            st.rounds_seen[j] += 1
 
     def _request(self, seq_id: int) -> _RequestState:
         st = self._state.get(seq_id)
         if st is None:
             zeros = [0.0] * self.k_max
-            st = self._state[seq_id] = _RequestState(list(zeros), list(zeros), list(zeros), list(zeros),
-                                                     phase=self._requests % max(self.explore_every, 1))
+            st = self._state[seq_id] = _RequestState(list(zeros), list(zeros), [0] * self.k_max, list(zeros),
+                                                     list(zeros), phase=self._requests % max(self.explore_every, 1))
             self._requests += 1
         return st
 
