@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache.kv_pool import KVPool
-from specdec.distributed.sharding import check_tensor_parallel
+from specdec.distributed.sharding import ShardLayout, check_tensor_parallel
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import available_memory_bytes, check_prepack_option
 from specdec.model.loader import resolve_model_path
@@ -101,14 +101,8 @@ class EngineConfig:
         if dev.type == "cuda" and not enforce_eager:
             min_blocks += 1  # the padding rows' scratch block of the CUDA graphs (engine/cuda_graphs.py)
         if num_kv_blocks is None:
-            per_block = KVPool.bytes_per_block(model_config, block_size, torch_dtype)
-            pool_bytes = int(kv_cache_memory_gb * 2**30)
-            room = kv_pool_room(model_config, torch_dtype, dev, quantization)
-            if room < pool_bytes:
-                logger.warning("the KV pool is capped at %.2f GB (kv_cache_memory_gb=%s): half of the memory the "
-                               "weights leave available", room / 1e9, kv_cache_memory_gb)
-                pool_bytes = room
-            num_kv_blocks = max(min_blocks, pool_bytes // per_block)
+            num_kv_blocks = max(min_blocks, kv_pool_blocks(model_config, block_size, torch_dtype, dev,
+                                                           kv_cache_memory_gb, quantization, tensor_parallel_size))
         if not isinstance(num_kv_blocks, int) or num_kv_blocks < min_blocks:
             raise ValueError(f"num_kv_blocks={num_kv_blocks!r} cannot hold one sequence of max_model_len="
                              f"{max_model_len}; need at least {min_blocks} blocks of {block_size}")
@@ -178,6 +172,27 @@ def gguf_source_of(model: str, model_path: str) -> str | None:
         return str(default_gguf_path())
     except (ModuleNotFoundError, FileNotFoundError):
         return None
+
+
+def kv_pool_blocks(model_config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   kv_cache_memory_gb: float, quantization: str | None = None, tensor_parallel_size: int = 1) -> int:
+    """Blocks that ``kv_cache_memory_gb`` buys per rank (before the one-sequence minimum): the budget over one
+    block of *this rank's* kv heads (``ShardLayout.num_kv_heads``: ``Hkv / N``, or the one replicated head when
+    ``N > Hkv``; every rank holds as many heads, so every rank gets the same count, as the driver's block tables
+    need). On CPU the budget is capped at ``kv_pool_room`` shared by the N ranks (they share the host's memory);
+    on CUDA each rank's GPU has its own."""
+    heads = ShardLayout.of(model_config, 0, tensor_parallel_size).num_kv_heads
+    per_block = KVPool.bytes_per_block(model_config, block_size, dtype, heads)
+    pool_bytes = int(kv_cache_memory_gb * 2**30)
+    room = kv_pool_room(model_config, dtype, device, quantization)
+    if device.type == "cpu":
+        room //= tensor_parallel_size
+    if room < pool_bytes:
+        logger.warning("the KV pool is capped at %.2f GB per rank (kv_cache_memory_gb=%s): half of the memory the "
+                       "weights leave available, over %d rank(s)", room / 1e9, kv_cache_memory_gb,
+                       tensor_parallel_size)
+        pool_bytes = room
+    return pool_bytes // per_block
 
 
 def kv_pool_room(model_config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -25,7 +25,8 @@ class LLM:
         max_model_len: longest prompt + output; default min(model limit, 8192).
         block_size: tokens per KV-cache block.
         max_num_seqs: most requests decoded together.
-        num_kv_blocks / kv_cache_memory_gb: pool size in blocks, or in GiB when blocks are not given.
+        num_kv_blocks / kv_cache_memory_gb: pool size in blocks, or in GiB when blocks are not given (per rank
+            under tensor parallelism: the blocks of that rank's kv heads the GiB buy).
         seed: seeds the per-request seeds of requests that give none.
         speculative: a SpeculativeConfig to decode speculatively (lossless), or None for plain decoding.
         enable_prefix_caching: share the cached KV blocks of a common prompt prefix between requests, so that a

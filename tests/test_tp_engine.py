@@ -90,3 +90,47 @@ def test_bad_configurations_are_refused(pair, kwargs, spec, match):
         speculative = SpeculativeConfig(**{"draft_model": pair[1], **spec})
     with pytest.raises(ValueError, match=match):
         LLM(pair[0], speculative=speculative, **{**OPTS, **kwargs})
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1])  # split (1 per rank) and replicated (1 on each of 2 ranks)
+def test_kv_pool_is_sized_per_rank(tmp_path, num_kv_heads):
+    """``kv_cache_memory_gb`` buys each rank the blocks of *its* kv heads: every rank's pool (the driver's and the
+    worker's, the same block count) fills the budget to within one block and never exceeds it. Sized as if one
+    process held every kv head (the old sizing), a split pool used half the budget."""
+    target = str(tmp_path / "t")
+    make_tiny_model(target, model_type="qwen2", vocab_size=301, num_heads=4, num_kv_heads=num_kv_heads)
+    budget_gb = 0.002
+    budget = int(budget_gb * 2**30)
+    with LLM(target, dtype="float32", max_model_len=32, block_size=4, kv_cache_memory_gb=budget_gb,
+             tensor_parallel_size=2) as llm:
+        engine = llm.engine
+        _, pool = engine.workers.shards[0]
+        blocks = engine.block_manager.num_blocks
+        cfg = engine.config.model_config
+        per_block = 2 * cfg.num_hidden_layers * 1 * cfg.head_dim * 4 * 4  # 1 kv head per rank, fp32, 4 tokens
+        assert pool.num_blocks == blocks
+        assert pool.k.shape[3] == 1
+        assert blocks == budget // per_block
+        used = pool.k.numel() * 4 + pool.v.numel() * 4
+        assert budget - per_block < used <= budget, (used, budget)
+        assert [m.num_blocks for m in engine.workers.models] == [blocks]  # what the worker built its pool with
+        outs = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert len(outs[0].outputs[0].token_ids) == 4
+
+
+def test_kv_pool_cap_is_shared_by_the_ranks_on_cpu(pair, monkeypatch):
+    """On CPU the N ranks share the host's memory: the cap (half of what the weights leave) is split over them."""
+    import torch
+
+    import specdec.config as config_module
+    from specdec.model.config import ModelConfig
+
+    cfg = ModelConfig.from_json(pair[0])
+    weights = cfg.num_params * 4
+    monkeypatch.setattr(config_module, "available_memory_bytes", lambda: weights + 2 * 2**20)  # room: 1 MiB
+    cpu = torch.device("cpu")
+    per_rank_block = 2 * cfg.num_hidden_layers * 1 * cfg.head_dim * 4 * 4
+    one = config_module.kv_pool_blocks(cfg, 4, torch.float32, cpu, 1.0)
+    two = config_module.kv_pool_blocks(cfg, 4, torch.float32, cpu, 1.0, tensor_parallel_size=2)
+    assert one == 2**20 // (2 * per_rank_block)  # one process: 2 kv heads per block
+    assert two == 2**19 // per_rank_block  # each of 2 ranks: half the room, 1 kv head per block

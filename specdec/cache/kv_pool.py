@@ -31,6 +31,10 @@ class KVPool:
         ops.kv_compact(self.tensors, src_slots, dst_slots)
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                        num_kv_heads: int | None = None) -> int:
+        """Bytes of one block of this pool: K and V of ``num_kv_heads`` heads (None: the model's; a
+        tensor-parallel rank's share otherwise, as in ``__init__``) in every layer."""
+        heads = num_kv_heads or config.num_key_value_heads
+        per_token = 2 * config.num_hidden_layers * heads * config.head_dim
         return per_token * block_size * torch.tensor([], dtype=dtype).element_size()

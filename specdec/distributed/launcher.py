@@ -36,6 +36,7 @@ class TensorParallelWorkers:
     def __init__(self, size: int, device: torch.device, timeout_s: float, models: list[ModelSpec],
                  startup_timeout_s: float = 600.0):
         self.size = size
+        self.models = tuple(models)  # what every rank loads (and sizes its pools by)
         self.group = TPGroup(0, size, device, timeout_s)
         self.procs: list = []
         self.conns: list = []

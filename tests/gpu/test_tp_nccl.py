@@ -1,0 +1,138 @@
+"""Tensor parallelism on NCCL (2 CUDA ranks: rank r on cuda:r): the CPU tests' checks (tests/test_tp_model.py,
+tests/test_tp_engine.py) on the NCCL path. The sharded forward gives the one-process logits (prefill chunks of
+two sequences, decodes, a tree window with a mask) for split, whole and replicated kv heads, tied and untied;
+``LLM(tensor_parallel_size=2)`` gives the one-GPU engine's greedy tokens, plain and with a sharded draft.
+
+Marked gpu; selected on a machine with fewer than 2 CUDA devices every test FAILS ("needs 2 CUDA devices"),
+never skips. NOT RUN YET: no multi-GPU machine was available when they were written (docs/tensor_parallel.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec.cache.block_manager import BlockManager
+from specdec.cache.kv_pool import KVPool
+from specdec.distributed.launcher import TensorParallelWorkers
+from specdec.distributed.worker import ModelSpec
+from specdec.model.config import ModelConfig
+from specdec.model.loader import load_model
+from specdec.runner.model_runner import ForwardItem, ModelRunner
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 301
+VARIANTS = {  # as tests/test_tp_model.py
+    "llama-untied-kv2": {"model_type": "llama", "num_kv_heads": 2},
+    "llama-tied-kv1": {"model_type": "llama", "num_kv_heads": 1, "tie_word_embeddings": True},
+    "qwen2-untied-kv4": {"model_type": "qwen2", "num_kv_heads": 4},
+    "qwen2-tied-kv2": {"model_type": "qwen2", "num_kv_heads": 2, "tie_word_embeddings": True},
+}
+BLOCKS, BLOCK_SIZE, MAX_POS = 16, 4, 128
+CUDA = torch.device("cuda:0")
+# fp32 on CUDA without TF32; the all-reduce sums the partial products in another order than one GEMM does
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(autouse=True)
+def _needs_cuda(request):  # overrides tests/gpu/conftest.py's: this module needs two devices
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        pytest.fail(f"needs 2 CUDA devices (NCCL tensor parallelism), found {n}: {request.node.nodeid}")
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_nccl")
+    out = {}
+    for i, (name, opts) in enumerate(VARIANTS.items()):
+        path = str(root / name)
+        make_tiny_model(path, seed=10 + i, vocab_size=VOCAB, num_heads=4, with_tokenizer=False, **opts)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def workers(checkpoints):
+    if torch.cuda.device_count() < 2:
+        pytest.fail("needs 2 CUDA devices (NCCL tensor parallelism)")
+    specs = [ModelSpec(path, ModelConfig.from_json(path), torch.float32, MAX_POS, BLOCKS, BLOCK_SIZE, None)
+             for path in checkpoints.values()]
+    w = TensorParallelWorkers(2, CUDA, 60.0, specs)
+    assert w.group.backend == "nccl"
+    yield w
+    w.shutdown()
+    assert all(not p.is_alive() for p in w.procs)
+
+
+def run_forwards(model, pool) -> torch.Tensor:
+    """As tests/test_tp_model.py's, on cuda:0: every logits row of prefill chunks, decodes and a tree window."""
+    bm = BlockManager(pool.num_blocks, pool.block_size)
+    runner = ModelRunner(model, pool, bm, CUDA)
+    bm.allocate(0, 6)
+    bm.allocate(1, 9)
+    rows = [runner.forward([ForwardItem(0, [3, 17, 256, 300, 5, 9], 0, 6), ForwardItem(1, [1, 2, 3, 4], 0, 1)])]
+    rows.append(runner.forward([ForwardItem(1, [150, 151, 152, 299, 0], 4, 5)]))
+    bm.append_slots(0, 7)
+    bm.append_slots(1, 10)
+    rows.append(runner.forward([ForwardItem(0, [42], 6, 1), ForwardItem(1, [7], 9, 1)]))
+    bm.append_slots(0, 10)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    rows.append(runner.forward([ForwardItem(0, [8, 77, 78], 7, 3, positions=[7, 8, 8], mask=mask)]))
+    return torch.cat(rows).float().cpu()  # (17, V)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nccl_sharded_logits_match_one_gpu(checkpoints, workers, variant):
+    path = checkpoints[variant]
+    config = ModelConfig.from_json(path)
+    reference = run_forwards(load_model(path, torch.float32, CUDA, MAX_POS, config),
+                             KVPool(config, BLOCKS, BLOCK_SIZE, torch.float32, CUDA))
+    model, pool = workers.shards[list(VARIANTS).index(variant)]
+    assert pool.k.is_cuda and pool.k.shape[3] == max(1, config.num_key_value_heads // 2)
+    sharded = run_forwards(model, pool)
+    assert sharded.shape == reference.shape == (17, VOCAB)
+    torch.testing.assert_close(sharded, reference, **TOL)
+    assert torch.equal(sharded.argmax(-1), reference.argmax(-1))
+
+
+PROMPTS = ["hello there, the cat", "the cat sat on the mat, the cat sat on the", "in the beginning"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+OPTS = {"dtype": "float32", "device": "cuda", "max_model_len": 96, "block_size": 4, "num_kv_blocks": 96,
+        "enforce_eager": True}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_nccl_engine")
+    target, draft = str(root / "target"), str(root / "draft")
+    make_tiny_model(target, model_type="qwen2", vocab_size=VOCAB, num_heads=4, num_kv_heads=2)
+    make_tiny_model(draft, model_type="qwen2", vocab_size=VOCAB, num_heads=4, num_kv_heads=2, seed=5,
+                    perturb_from=target, perturb_scale=0.3)
+    return target, draft
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "sharded-draft"])
+def test_nccl_engine_greedy_matches_one_gpu(pair, speculative):
+    with LLM(pair[0], **OPTS) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    spec = SpeculativeConfig(draft_model=pair[1], num_speculative_tokens=3) if speculative else None
+    with LLM(pair[0], tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
+        assert llm.engine.workers.group.backend == "nccl"
+        outs = llm.generate(PROMPTS, GREEDY)
+        procs = list(llm.engine.workers.procs)
+        failed = llm.engine.stats["failed_requests"]
+    assert all(not p.is_alive() for p in procs), "shutdown left a worker behind"
+    assert failed == 0
+    assert [o.outputs[0].token_ids for o in outs] == reference
