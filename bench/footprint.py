@@ -93,8 +93,8 @@ def measure(python: str, path: str, dtype: str, threads: int, tokens: int, quant
     # interpreter's own (editable) specdec - an "old" interpreter run from here would import this tree's code
     out = subprocess.run([python, "-c", CHILD, path, dtype, str(threads), str(tokens), quantization],
                          capture_output=True, text=True, check=False, cwd=tempfile.gettempdir())
-    if out.returncode != 0:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or [f"exit {out.returncode}"]}
+    if out.returncode != 0:  # a negative code is a signal: -9, SIGKILL, is what the OOM killer sends
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:], "returncode": out.returncode}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
