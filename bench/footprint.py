@@ -10,6 +10,13 @@ greedily, and the process reports VmRSS before loading (torch and specdec import
 ``--python`` runs the same measurement with another tree's interpreter (old vs new, alternated per model).
 ``--quantizations``: ``LLM(quantization=...)`` values ("none" = unquantised); held weights then count each
 quantised linear's packed copies (``QuantizedLinear.held_bytes``).
+
+``--random-7b DIR``: also measure a random-weight 7B-shaped Llama (``RANDOM_7B``: Llama-3-8B's layers with a 32000
+vocabulary and an untied head, ~7.2B parameters, ~14.5 GB in bf16), written to DIR first if DIR has no
+``config.json`` - sharded safetensors (~2 GB files and an index), drawn one shard at a time
+(``bench/gpu_steps/models.py``). Delete DIR yourself afterwards.
+
+    python -m bench.footprint --random-7b /tmp/random-7b --dtypes bfloat16 --quantizations none int8 --tokens 8
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 from bench.common import add_record_flag, machine_info, print_table, resolve_model, write_json
 
@@ -63,19 +71,39 @@ print(json.dumps({"rss_before_mib": before, "rss_after_mib": after, "peak_mib": 
 """
 
 
+RANDOM_7B = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
+                 vocab_size=32000, tie_word_embeddings=False)  # fmt: skip
+RANDOM_7B_SHARD_BYTES = 2 * 10**9
+
+
+def random_7b(path: str, shape: dict | None = None) -> str:
+    """``path``, after writing the random bf16 checkpoint of ``shape`` (default ``RANDOM_7B``) there unless it already
+    has a config.json."""
+    shape = shape or RANDOM_7B
+    if not (Path(path) / "config.json").is_file():
+        from bench.gpu_steps.models import write_random_llama
+
+        print(f"writing a random checkpoint to {path} ({shape})", flush=True)
+        write_random_llama(path, **shape, device="cpu", shard_bytes=RANDOM_7B_SHARD_BYTES)
+    return path
+
+
 def measure(python: str, path: str, dtype: str, threads: int, tokens: int, quantization: str = "none") -> dict:
     # cwd outside any tree: with -c the working directory comes first on sys.path and would shadow the
     # interpreter's own (editable) specdec - an "old" interpreter run from here would import this tree's code
     out = subprocess.run([python, "-c", CHILD, path, dtype, str(threads), str(tokens), quantization],
                          capture_output=True, text=True, check=False, cwd=tempfile.gettempdir())
-    if out.returncode != 0:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:] or [f"exit {out.returncode}"]}
+    if out.returncode != 0:  # a negative code is a signal: -9, SIGKILL, is what the OOM killer sends
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:], "returncode": out.returncode}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.footprint", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["smollm2"], help="folders or smollm2 | qwen-0.5b | qwen-1.5b")
+    parser.add_argument("--models", nargs="+", default=None,
+                        help="folders or smollm2 | qwen-0.5b | qwen-1.5b (default: smollm2 unless --random-7b)")
+    parser.add_argument("--random-7b", default=None, metavar="DIR",
+                        help="also measure a random 7B-shaped bf16 Llama, written to DIR first if it is not there")
     parser.add_argument("--dtypes", nargs="+", default=["auto"], help="LLM(dtype=...) values")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded after a warm-up")
@@ -84,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     add_record_flag(parser)
     args = parser.parse_args(argv)
     interpreters = {"new": sys.executable, **({"old": args.python} if args.python else {})}
+    models = {name: resolve_model(name) for name in args.models or ([] if args.random_7b else ["smollm2"])}
+    if args.random_7b:
+        models["random-7b"] = random_7b(args.random_7b)
     rows, results = [], []
-    for name in args.models:
-        path = resolve_model(name)
+    for name, path in models.items():
         for dtype, quant in ((d, q) for d in args.dtypes for q in args.quantizations):
             for label, python in interpreters.items():
                 r = {"model": name, "dtype_asked": dtype, "quantization": quant, "tree": label,
@@ -103,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                              round(r["load_s"], 1), round(r["decode_tok_s"], 2)])
     print_table(rows, ["model", "dtype", "quant", "tree", "runs in", "held weights MiB", "pool MiB", "RSS MiB",
                        "RSS grew", "grew/(held+pool)", "peak MiB", "load s", "decode tok/s"])
-    write_json("footprint", {"meta": {**machine_info(), "threads": args.threads, "tokens": args.tokens},
+    meta = {**machine_info(), "threads": args.threads, "tokens": args.tokens,
+            **({"random_7b_shape": RANDOM_7B} if args.random_7b else {})}
+    write_json("footprint", {"meta": meta,
                              "results": results}, args.record)
     return 0
 

@@ -8,6 +8,8 @@ throughput (completion tokens / wall time of the level), TTFT (request sent -> f
 verification round that accepts several tokens arrives as one chunk, so this is per chunk, not per token).
 
 ``--configs plain,plain-no-prefix-cache --workloads shared-system`` is the prefix-caching A/B (TTFT).
+``--soak ROUNDS`` instead runs the same load for several rounds against one server it starts (``--configs``: one,
+default adaptive) and reports the server's resident set, errors and KV blocks per round (bench/serve_soak.py).
 
 Workloads: ``classes`` - the bench prompt classes (bench/prompts, one user message each, round-robin);
 ``shared-system`` - one long system prompt shared by every request, with short distinct user questions (the
@@ -78,7 +80,7 @@ def workloads(per_class: int) -> dict[str, list[list[dict]]]:
 async def one_request(client, model: str, messages: list[dict], max_tokens: int, temperature: float) -> dict:
     start = time.perf_counter()
     times: list[float] = []
-    usage = None
+    usage, finish = None, None
     stream = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=temperature, seed=0, stream=True,
         stream_options={"include_usage": True})
@@ -87,11 +89,14 @@ async def one_request(client, model: str, messages: list[dict], max_tokens: int,
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
     end = time.perf_counter()
     tokens = usage.completion_tokens if usage else 0
     return {"ttft": times[0] - start if times else None,
             "tpot": (times[-1] - times[0]) / (tokens - 1) if len(times) > 1 and tokens > 1 else None,
-            "itl": [b - a for a, b in zip(times, times[1:])], "tokens": tokens, "latency": end - start}
+            "itl": [b - a for a, b in zip(times, times[1:])], "tokens": tokens, "latency": end - start,
+            "finish_reason": finish}
 
 
 async def run_level(url: str, model: str, requests: list[list[dict]], concurrency: int, max_tokens: int,
@@ -169,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="folder, or smollm2 | qwen-0.5b | qwen-1.5b")
     parser.add_argument("--url", default=None, help="a server already running on loopback (one configuration)")
-    parser.add_argument("--configs", default="plain,fixed-k,adaptive", help="comma-separated: " + ",".join(CONFIGS))
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated: " + ",".join(CONFIGS) + " (default: plain,fixed-k,adaptive; adaptive "
+                             "with --soak)")
     parser.add_argument("--method", default="prompt_lookup", help="speculative method of fixed-k / adaptive")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
@@ -181,8 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds one concurrency level may take")
+    parser.add_argument("--soak", type=int, default=None, metavar="ROUNDS",
+                        help="soak: ROUNDS rounds of --soak-requests at --soak-concurrency plus a --soak-burst, the "
+                             "server's RSS per round (one config; needs a server this script starts)")
+    parser.add_argument("--soak-requests", type=int, default=240)
+    parser.add_argument("--soak-concurrency", type=int, default=32)
+    parser.add_argument("--soak-burst", type=int, default=160, help="requests sent at once after each round's load")
     add_record_flag(parser)
     args = parser.parse_args(argv)
+    if args.soak is not None:
+        from bench.serve_soak import soak_main
+
+        return soak_main(args, argv)
+    args.configs = args.configs or "plain,fixed-k,adaptive"
     all_work = workloads(args.prompts_per_class)
     chosen = {name: all_work[name] for name in args.workloads.split(",")}
     configs = [c for c in args.configs.split(",")] if args.url is None else ["external"]
@@ -194,11 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs:
         proc = None
         if args.url is None:
-            import socket
-
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+            port = _free_port()
             flags = [f.format(method=args.method, k=args.k) for f in CONFIGS[config]]
             log = Path("bench/out") / f"serve-{config}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -235,6 +249,14 @@ def main(argv: list[str] | None = None) -> int:
                       record=args.record)
     print(f"\nwrote {path}")
     return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _row(config: str, work: str, r: dict) -> str:

@@ -36,3 +36,38 @@ def test_bench_serve_refuses_a_non_loopback_url():
 
     with pytest.raises(SystemExit, match="loopback"):
         bench.serve.main(["--url", "http://10.0.0.1:8000", "--concurrency", "1"])
+
+
+def test_soak_counts_rejections_apart_from_errors_and_reads_rss(tmp_path_factory):
+    import os
+
+    from tiny_models import make_tiny_model
+
+    from bench.serve_soak import soak
+
+    folder = str(tmp_path_factory.mktemp("bench_soak_model"))
+    make_tiny_model(folder, "llama", seed=5)
+    # capacity 2 (max_num_seqs 2, no waiting room): a burst of 8 at once, 16 tokens each, must see 503s
+    server = ServerThread(folder, name="tiny", dtype="float32", max_waiting=0, max_num_seqs=2).start()
+    convs = [[{"role": "user", "content": f"hello {i}"}] for i in range(3)]
+    try:
+        rows = soak(server.base_url, os.getpid(), "tiny", convs, rounds=2, requests=4, concurrency=2, burst=8,
+                    max_tokens=16, timeout=120)
+    finally:
+        server.stop()
+    assert [r["round"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["errors"] == 0, r["error_messages"]
+        assert r["ok"] + r["rejected_503"] == 4 + 8 and r["rejected_503"] >= 1 and r["ok"] >= 4
+        assert r["kv_blocks_used_after"] == 0 and r["kv_blocks_total"] > 0
+        assert r["rss_after_mib"] > 0 and r["rss_grew_mib"] == r["rss_after_mib"] - r["rss_before_mib"]
+    assert rows[1]["rss_before_mib"] == rows[0]["rss_after_mib"]
+
+
+def test_soak_refuses_a_url_and_bad_sizes():
+    import bench.serve
+
+    with pytest.raises(SystemExit, match="starts its own server"):
+        bench.serve.main(["--soak", "2", "--url", "http://127.0.0.1:8000"])
+    with pytest.raises(SystemExit, match="--soak-concurrency must be >= 1"):
+        bench.serve.main(["--soak", "2", "--soak-concurrency", "0"])

@@ -16,6 +16,7 @@ gives a cheap draft of high, measured acceptance for a random target.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
@@ -32,26 +33,35 @@ def write_random_llama(path: str, *, hidden_size: int, num_layers: int, num_head
                        intermediate_size: int, vocab_size: int, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                        embed_std: float = 0.02, damp_from: int | None = None, damp: float = 1.0,
                        truncate_to: int | None = None, max_position_embeddings: int = 4096,
-                       device: str | None = None) -> str:  # fmt: skip
-    """Write ``config.json``, ``model.safetensors`` and the tokenizer files to ``path``; returns ``path``.
+                       device: str | None = None, tie_word_embeddings: bool = True,
+                       shard_bytes: int | None = None) -> str:  # fmt: skip
+    """Write ``config.json``, the weights and the tokenizer files to ``path``; returns ``path``.
 
     Layer i's tensors depend only on (seed, i), so ``truncate_to=n`` writes exactly the first n layers of the
-    model the same seed gives without it (embedding and final norm shared)."""
+    model the same seed gives without it (embedding and final norm shared). ``tie_word_embeddings=False`` adds an
+    ``lm_head.weight`` of its own. ``shard_bytes``: write ``model-0000i-of-0000n.safetensors`` files of at most about
+    that many bytes each (whole tensors) and a ``model.safetensors.index.json``, drawing one shard at a time, so a
+    7B-shaped checkpoint is built holding one shard in memory; None: one ``model.safetensors``."""
     from safetensors.torch import save_file
-    from tiny_models import CHAT_TEMPLATE, EOS_TOKEN, byte_tokenizer_json
 
+    # NOTE: bench.gpu runs with tests/ on PYTHONPATH; bench.footprint runs from the repo root (tests/ is a folder)
+    try:
+        from tiny_models import CHAT_TEMPLATE, EOS_TOKEN, byte_tokenizer_json
+    except ImportError:
+        from tests.tiny_models import CHAT_TEMPLATE, EOS_TOKEN, byte_tokenizer_json
+
+    if shard_bytes is not None and shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive or None, got {shard_bytes}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     os.makedirs(path, exist_ok=True)
     head_dim = hidden_size // num_heads
     layers = num_layers if truncate_to is None else truncate_to
 
-    def normal(shape, std, key):
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + key)
-        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype).cpu()
-
-    ones = lambda n: torch.ones(n, dtype=dtype)
-    tensors = {"model.embed_tokens.weight": normal((vocab_size, hidden_size), embed_std, 1),
-               "model.norm.weight": ones(hidden_size)}  # fmt: skip
+    # the plan: (name, shape, std or None for ones, generator key); tensors are drawn only when their shard is written
+    plan = [("model.embed_tokens.weight", (vocab_size, hidden_size), embed_std, 1),
+            ("model.norm.weight", (hidden_size,), None, 0)]  # fmt: skip
+    if not tie_word_embeddings:
+        plan.append(("lm_head.weight", (vocab_size, hidden_size), 0.02, 2))
     for i in range(layers):
         scale = damp if damp_from is not None and i >= damp_from else 1.0
         pre, key = f"model.layers.{i}.", 100 * (i + 1)
@@ -64,17 +74,44 @@ def write_random_llama(path: str, *, hidden_size: int, num_layers: int, num_head
             "mlp.up_proj.weight": ((intermediate_size, hidden_size), 0.02),
             "mlp.down_proj.weight": ((hidden_size, intermediate_size), 0.02 * scale),
         }
-        for j, (name, (shape, std)) in enumerate(shapes.items()):
-            tensors[pre + name] = normal(shape, std, key + j)
-        tensors[pre + "input_layernorm.weight"] = ones(hidden_size)
-        tensors[pre + "post_attention_layernorm.weight"] = ones(hidden_size)
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    del tensors
+        plan += [(pre + name, shape, std, key + j) for j, (name, (shape, std)) in enumerate(shapes.items())]
+        plan += [(pre + "input_layernorm.weight", (hidden_size,), None, 0),
+                 (pre + "post_attention_layernorm.weight", (hidden_size,), None, 0)]  # fmt: skip
+
+    def draw(shape, std, key):
+        if std is None:
+            return torch.ones(shape, dtype=dtype)
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + key)
+        return (torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std).to(dtype).cpu()
+
+    element = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[tuple]] = [[]]
+    size = 0
+    for item in plan:
+        nbytes = math.prod(item[1]) * element
+        if shard_bytes is not None and shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    names = (["model.safetensors"] if shard_bytes is None else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map = {}
+    for file, shard in zip(names, shards):
+        tensors = {name: draw(shape, std, key) for name, shape, std, key in shard}
+        save_file(tensors, os.path.join(path, file), metadata={"format": "pt"})
+        del tensors
+        weight_map.update({item[0]: file for item in shard})
+    if shard_bytes is not None:
+        total = sum(math.prod(item[1]) * element for item in plan)
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab_size,
         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": tie_word_embeddings,
         "rope_theta": 500000.0, "rope_scaling": None, "hidden_act": "silu", "bos_token_id": None,
         "eos_token_id": EOS_ID, "torch_dtype": str(dtype).removeprefix("torch."),
     }  # fmt: skip
