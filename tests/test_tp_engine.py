@@ -61,6 +61,26 @@ def test_speculative_greedy_matches_plain(pair, reference, label, spec):
     assert stats["failed_requests"] == 0
 
 
+def test_n_logprobs_and_prefix_caching_under_tp(pair):
+    """What sits above the runner works unchanged under TP=2: n > 1 samples, logprobs (within fp32 tolerance of the
+    one-process engine's: the logits are gathered from two shards) and prefix caching (a second request sharing a
+    prompt prefix is served from the cache and decodes the same tokens), with a sharded draft model drafting."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=3)
+    spec = SpeculativeConfig(draft_model=pair[1], num_speculative_tokens=3)
+    shared = "the cat sat on the mat, the cat sat on the mat, and then"  # > 2 blocks of 4 tokens
+    one = LLM(pair[0], speculative=spec, **OPTS)
+    want = one.generate([shared], params)[0]
+    with LLM(pair[0], tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
+        got = llm.generate([shared], params)[0]
+        again = llm.generate([shared], params)[0]  # the same prompt again: its full blocks come from the cache
+    assert len(got.outputs) == 2 and [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    for mine, theirs in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+        assert set(mine) == set(theirs)
+        assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in got.outputs]
+    assert again.metrics["num_cached_tokens"] > 0
+
+
 def test_speculative_sampling_is_lossless_under_tp(tmp_path):
     """The sampled joint of tokens 1..4 (k = 2) under TP=2 with a sharded draft against the exact target joint."""
     target, draft = lossless.make_lossless_pair(tmp_path)
