@@ -73,9 +73,9 @@ def test_adaptive_k_prefers_long_drafts_when_acceptance_is_high_and_switches_off
     assert ada.choose(1, batch_size=1, k_cap=6) == 6
     assert ada.choose(1, batch_size=1, k_cap=2) == 2  # guards cap it
     choices = [ada.choose(2, batch_size=1, k_cap=6) for _ in range(8)]
-    # off, with a probe every 4th step: the best-valued k >= 1, then the k gone longest without (here 5: 6 and 2
-    # were chosen above for request 1 at this batch size, 1 just now)
-    assert choices == [0, 0, 0, 1, 0, 0, 0, 5]
+    # off, with probes after 2 plain steps, then 4 (the back-off, capped at probe_every): the best-valued k >= 1,
+    # then the k gone longest without (here 5: 6 and 2 were chosen above for request 1 at this batch size, 1 just now)
+    assert choices == [0, 1, 0, 0, 0, 5, 0, 0]
     # a costly draft model shortens k at the same acceptance
     mid = FixedCostModel(c=0.0, verify_slope=0.05)
     pricey = FixedCostModel(c=0.6, verify_slope=0.05)
@@ -126,7 +126,8 @@ def test_adaptive_k_settles_to_zero_on_random_tokens_and_stays_up_on_repetition(
     random_tokens = torch.randint(1000, 30000, (40,), generator=gen).tolist()
     noisy = llm.generate(prompt_token_ids=[random_tokens], sampling_params=SamplingParams(
         temperature=1.0, max_tokens=40, seed=0, ignore_eos=True))[0].metrics
-    assert noisy["k_per_step"][-3:] == [0, 0, 0] and noisy["accepted"] <= noisy["drafted"] // 3
+    settled = noisy["k_per_step"][-8:]  # off, but for at most one probe (gaps of 8 and 16 steps by then)
+    assert sum(1 for k in settled if k) <= 1 and noisy["accepted"] <= noisy["drafted"] // 3, noisy["k_per_step"]
     text = "red, green, blue, red, green, blue, red, green, blue, red, green, blue, red,"
     repetitive = llm.generate([text], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].metrics
     ks = repetitive["k_per_step"]
