@@ -34,15 +34,19 @@ VARIANTS = {  # name -> make_tiny_model options
 BLOCKS, BLOCK_SIZE, MAX_POS = 16, 4, 128
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_model")
+def write_variants(root) -> dict[str, str]:
+    """The ``VARIANTS`` as tiny checkpoints under ``root``: name -> folder (also tests/gpu/test_tp_nccl.py's)."""
     out = {}
     for i, (name, opts) in enumerate(VARIANTS.items()):
         path = str(root / name)
         make_tiny_model(path, seed=10 + i, vocab_size=VOCAB, num_heads=4, with_tokenizer=False, **opts)
         out[name] = path
     return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return write_variants(tmp_path_factory.mktemp("tp_model"))
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import torch
 import specdec
 from bench.gpu_steps.common import copy_bandwidth_gbps, out_of_time, parse_args, synced_timed, write_json
 from bench.gpu_steps.e2e import check_outputs
+from bench.gpu_steps.kernels import time_ms
 from bench.gpu_steps.models import LLAMA_1B, LLAMA_3B, TINY, write_random_llama
 from specdec.model.quant.linear import QuantizedLinear
 
@@ -42,18 +43,6 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 
 def weight_bytes(module) -> int:
     return sum(t.numel() * t.element_size() for t in (module.qweight, module.scale, module.offset) if t is not None)
-
-
-def time_ms(fn, cuda: bool) -> float:
-    if cuda:
-        import triton
-
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    samples = []
-    for _ in range(3):
-        seconds, _ = synced_timed(fn)
-        samples.append(seconds * 1e3)
-    return statistics.median(samples)
 
 
 def kernel_rows(args, cuda: bool, copy_gbps: float, rows: list[dict], save) -> None:

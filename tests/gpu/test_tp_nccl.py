@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_tp_model import BLOCK_SIZE, BLOCKS, MAX_POS, VARIANTS, VOCAB, write_variants
 from tiny_models import make_tiny_model
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
@@ -24,14 +25,6 @@ from specdec.runner.model_runner import ForwardItem, ModelRunner
 
 pytestmark = pytest.mark.gpu
 
-VOCAB = 301
-VARIANTS = {  # as tests/test_tp_model.py
-    "llama-untied-kv2": {"model_type": "llama", "num_kv_heads": 2},
-    "llama-tied-kv1": {"model_type": "llama", "num_kv_heads": 1, "tie_word_embeddings": True},
-    "qwen2-untied-kv4": {"model_type": "qwen2", "num_kv_heads": 4},
-    "qwen2-tied-kv2": {"model_type": "qwen2", "num_kv_heads": 2, "tie_word_embeddings": True},
-}
-BLOCKS, BLOCK_SIZE, MAX_POS = 16, 4, 128
 CUDA = torch.device("cuda:0")
 # fp32 on CUDA without TF32; the all-reduce sums the partial products in another order than one GEMM does
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -54,13 +47,7 @@ def _no_tf32():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp_nccl")
-    out = {}
-    for i, (name, opts) in enumerate(VARIANTS.items()):
-        path = str(root / name)
-        make_tiny_model(path, seed=10 + i, vocab_size=VOCAB, num_heads=4, with_tokenizer=False, **opts)
-        out[name] = path
-    return out
+    return write_variants(tmp_path_factory.mktemp("tp_nccl"))
 
 
 @pytest.fixture(scope="module")
