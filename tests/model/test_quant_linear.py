@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec.model.linear import Linear
-from specdec.model.quant import cpu_paths
+from specdec.model.quant import cpu_paths, native
 from specdec.model.quant.formats import dequantize, pack_int4, quantize_int4, quantize_int8, unpack_int4
 from specdec.model.quant.linear import QuantizedLinear, check_quantization, quantize_linears
 
@@ -75,7 +75,7 @@ def test_w8a8_equals_its_reference_exactly(n, k, dtype):
 def test_int4pack_close_to_its_reference(n, k, group):
     w, b = _weight(n, k)
     m = QuantizedLinear.from_weight(w, b, "int4", group)
-    m.prepare(torch.device("cpu"), release=False)
+    m.prepare(torch.device("cpu"), "int4pack", release=False)
     assert m.path == "int4pack"
     x = torch.randn(16, k)
     ref = m.path_reference(x)
@@ -84,8 +84,64 @@ def test_int4pack_close_to_its_reference(n, k, group):
     torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
 
 
+needs_w4a8 = pytest.mark.skipif(not native.available(), reason="no AVX-512 VNNI or no C compiler here")
+
+
+@needs_w4a8
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_close_to_its_reference(n, k, group, dtype):
+    if k % group:
+        pytest.skip("group does not divide K")
+    w, b = _weight(n, k)
+    m = QuantizedLinear.from_weight(w, b, "int4", group)
+    m.prepare(torch.device("cpu"), release=False)
+    assert m.path == "w4a8"
+    x = (torch.randn(21, k) * 3).to(dtype)  # 21 rows: one full pass of 16 and a partial one
+    x[4] = 0  # an all-zero row (every block's scale is 1)
+    x[7, :32] = 0  # one all-zero block
+    x[9, 5] = 1e4  # an outlier: its block's other values quantise to ~0
+    out = native.w4a8_linear(x, m.state, group, m.bias)
+    ref = m.path_reference(x)
+    # block dots are exact; the kernel's fused multiply-adds round once per block where the reference rounds in fp64
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+    # and it stays within int8-activation error of the weight-only result
+    wo = m.dequantize() @ x.float().T
+    assert float((out - b - wo.T).abs().max()) < 0.02 * float(wo.abs().max())
+
+
+@needs_w4a8
+def test_w4a8_reference_rejects_a_planted_bug():
+    """The comparison above can fail: a kernel state with one nibble flipped is caught."""
+    w, b = _weight(48, 1536)
+    m = QuantizedLinear.from_weight(w, b, "int4", 32)
+    m.prepare(torch.device("cpu"), release=False)
+    wq, ws, wo = m.state
+    bad = wq.clone()
+    bad.view(-1)[12345] ^= 0x10  # one high nibble of one output's weight
+    x = torch.randn(3, 1536)
+    ref = m.path_reference(x)
+    assert not torch.allclose(native.w4a8_linear(x, (bad, ws, wo), 32, m.bias), ref, rtol=1e-5,
+                              atol=1e-6 * float(ref.abs().max()))
+
+
+def test_w4a8_is_not_used_where_it_does_not_apply():
+    w, b = _weight(40, 128)  # N not a multiple of 16
+    m = QuantizedLinear.from_weight(w, b, "int4", 32)
+    m.prepare(torch.device("cpu"))
+    assert m.path != "w4a8"
+    w, b = _weight(48, 128)
+    m = QuantizedLinear.from_weight(w, b, "int4", 32)
+    m.offset[0, 0] = 1e6  # does not fit the kernel's fp16 offsets
+    m.prepare(torch.device("cpu"))
+    assert m.path != "w4a8"
+    with pytest.raises(ValueError, match="fp16"):
+        native.pack_w4a8(torch.zeros(48, 128, dtype=torch.uint8), torch.ones(48, 4), torch.full((48, 4), 1e6))
+
+
 @pytest.mark.parametrize("scheme,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64)])
-@pytest.mark.parametrize("cpu_path", ["auto", "weight_only"])
+@pytest.mark.parametrize("cpu_path", ["auto", "weight_only", "int4pack"])
 def test_rows_are_independent(scheme, group, cpu_path):
     """Each row's output is bit-identical whether computed alone (decode) or among 1..16 rows (windows)."""
     w, b = _weight(160, 256)

@@ -8,7 +8,10 @@ model's output for a row does not depend on how many rows a forward has (decode 
   accumulation - the Triton kernel on CUDA (kernels/quant_matmul.py), its torch reference elsewhere.
 - ``"w8a8"`` (CPU, int8 per-channel): oneDNN's int8 GEMM with per-row dynamic int8 activations
   (specdec/model/quant/cpu_paths.py) - activations are quantised too.
-- ``"int4pack"`` (CPU, int4 with group 32/64/128/256): torch's ``_weight_int4pack_mm_for_cpu`` in bf16.
+- ``"w4a8"`` (CPU with AVX-512 VNNI and a C compiler, int4 with a group that is a multiple of 32): the C kernel of
+  specdec/model/quant/native.py - int4 weights times per-block int8 activations, each weight read once for 16 rows.
+- ``"int4pack"`` (CPU, int4 with group 32/64/128/256, where w4a8 is unavailable): torch's
+  ``_weight_int4pack_mm_for_cpu`` in bf16.
 
 docs/guarantees.md says what each means for losslessness: the target is the model as loaded, with its path.
 """
@@ -21,12 +24,12 @@ from torch import nn
 from specdec import ops
 from specdec.kernels.quant_matmul import quant_matmul, quant_matmul_reference
 from specdec.model.linear import Linear
-from specdec.model.quant import cpu_paths
+from specdec.model.quant import cpu_paths, native
 from specdec.model.quant.formats import BITS, quantize_int4, quantize_int8, unpack_int4
 
 QUANTIZATIONS = ("int8", "int4")
 DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}  # int8 per output channel; int4 per 32 inputs (GGUF's block)
-CPU_PATHS = ("auto", "weight_only")
+CPU_PATHS = ("auto", "weight_only", "int4pack")  # "int4pack": skip w4a8 (the measured comparison)
 
 
 def check_quantization(quantization: object, group_size: object, what: str = "quantization") -> None:
@@ -92,7 +95,8 @@ class QuantizedLinear(nn.Module):
 
     def prepare(self, device: torch.device, cpu_path: str = "auto", release: bool = True) -> None:
         """Fix the arithmetic for ``device``: on CPU with ``cpu_path="auto"`` the fast path that applies ("w8a8"
-        for per-channel int8, "int4pack" for int4 with a supported group), else "weight_only". ``release``: the
+        for per-channel int8, "w4a8" or else "int4pack" for int4 with a supported group), else "weight_only";
+        ``cpu_path="int4pack"`` passes over w4a8. ``release``: the
         CPU path's packed copies replace ``qweight`` / ``scale`` / ``offset`` (meta tensors), so they are held once."""
         if cpu_path not in CPU_PATHS:
             raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {cpu_path!r}")
@@ -103,6 +107,11 @@ class QuantizedLinear(nn.Module):
             return
         if self.bits == 8 and self.scale.shape[1] == 1 and cpu_paths.w8a8_available():
             self.path, self.state = "w8a8", cpu_paths.w8a8_prepare(self.qweight, self.scale)
+        elif (self.bits == 4 and cpu_path == "auto" and native.supports(self.out_features, self.in_features,
+                                                                        self.group_size)
+              and native.fits_fp16(self.scale, self.offset) and native.available()):
+            self.path = "w4a8"
+            self.state = native.pack_w4a8(unpack_int4(self.qweight), self.scale, self.offset)
         elif (self.bits == 4 and self.group_size in cpu_paths.INT4PACK_GROUP_SIZES and self.out_features % 16 == 0
               and cpu_paths.int4pack_available()):
             self.path = "int4pack"
@@ -118,6 +127,8 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.path == "w8a8":
             out = cpu_paths.w8a8_linear(x2, self.state, self.bias).to(x.dtype)
+        elif self.path == "w4a8":
+            out = native.w4a8_linear(x2, self.state, self.group_size, self.bias).to(x.dtype)
         elif self.path == "int4pack":
             out = cpu_paths.int4pack_linear(x2, self.state, self.group_size, self.bias).to(x.dtype)
         elif ops.use_triton(x2):
@@ -131,6 +142,8 @@ class QuantizedLinear(nn.Module):
         dtype), for tests. Needs the quantised tensors (prepare with ``release=False``)."""
         if self.path == "w8a8":
             return cpu_paths.w8a8_reference(x, self.qweight, self.scale, self.bias)
+        if self.path == "w4a8":
+            return native.w4a8_reference(x, unpack_int4(self.qweight), self.scale, self.offset, self.bias)
         if self.path == "int4pack":
             return cpu_paths.int4pack_reference(x, unpack_int4(self.qweight), self.state[1], self.group_size,
                                                 self.bias)

@@ -1,0 +1,155 @@
+"""The "w4a8" CPU path: a small C kernel (``native/w4a8.c``, AVX-512 VNNI) built with the system's C compiler at first
+use and called through ctypes, its weight packing, and the torch reference of its arithmetic.
+
+Why a C kernel: torch's CPU int4 op (``_weight_int4pack_mm_for_cpu``) streams ~7 GB/s at one row and re-reads the
+weight for every further row, so int4 on this CPU decoded no faster than bf16 (docs/benchmarks.md, "Quantized
+linears"). The kernel reads each weight byte once for up to 16 rows and multiplies int4 weights by int8 activations
+with VNNI, as llama.cpp does for Q4 x Q8 blocks. The activations are quantised per row and block of 32 inputs, so
+like "w8a8" it is a different arithmetic from the weight-only reference; the arithmetic is spelled out in
+``w4a8.c`` and repeated by ``w4a8_reference``. A row's output does not depend on the other rows of the call.
+
+Where it is unavailable (no AVX-512 VNNI, no C compiler, ``SPECDEC_NATIVE=0``) ``available()`` is False and
+``QuantizedLinear`` keeps to its other paths. The built library lives in ``$SPECDEC_CACHE/native/<source hash>/``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specdec.model.loader import cache_root
+
+SOURCE = Path(__file__).parent / "native" / "w4a8.c"
+TILE_N = 16  # outputs per tile (one zmm of fp32 lanes)
+BLOCK_K = 32  # inputs per activation block (one int8 scale per row and block)
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512_vnni", "f16c"))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Build (once per source version) and load the kernel; None where it cannot run here."""
+    if os.environ.get("SPECDEC_NATIVE", "1") == "0" or not _cpu_has_vnni():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if compiler is None:
+        return None
+    source = SOURCE.read_bytes()
+    tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    out_dir = Path(cache_root()) / "native" / tag
+    lib_path = out_dir / "libspecdec_w4a8.so"
+    if not lib_path.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: parallel builders agree
+            tmp_lib = Path(tmp) / lib_path.name
+            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(tmp_lib), "-lm"], capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                return None
+            os.replace(tmp_lib, lib_path)
+    lib = ctypes.CDLL(str(lib_path))
+    fn = lib.specdec_w4a8_gemm
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """True where the w4a8 kernel is built and loads on this CPU."""
+    return _library() is not None
+
+
+def supports(out_features: int, in_features: int, group_size: int) -> bool:
+    """The shapes the kernel takes: N a multiple of 16, K of 32, the group a multiple of 32 dividing K."""
+    return out_features % TILE_N == 0 and in_features % BLOCK_K == 0 and group_size % BLOCK_K == 0 and (
+        in_features % group_size == 0)
+
+
+def fits_fp16(scale: torch.Tensor, offset: torch.Tensor) -> bool:
+    """True where every scale and offset is finite once rounded to fp16 (the kernel's format)."""
+    return bool(torch.isfinite(scale.to(torch.float16)).all() and torch.isfinite(offset.to(torch.float16)).all())
+
+
+def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernel's layout of an int4 weight: ``q`` unpacked uint8 ``[N, K]`` in [0, 15], ``scale`` / ``offset`` fp32
+    ``[N, G]``. Returns (wq uint8 ``[N/16, K/8, 16, 4]``, ws fp16 ``[N/16, G, 16]``, wo fp16 ``[N/16, G, 16]``);
+    scales and offsets are rounded to fp16 (``ValueError`` where one is not finite there)."""
+    n, k = q.shape
+    g = scale.shape[1]
+    if not supports(n, k, k // g):
+        raise ValueError(f"w4a8 needs out_features % 16 == 0, in_features % 32 == 0 and a group that is a multiple "
+                         f"of 32; got N={n}, K={k}, group={k // g}")
+    if not fits_fp16(scale, offset):
+        raise ValueError("w4a8 holds scales and offsets in fp16; this weight's do not fit there")
+    ws, wo = scale.to(torch.float16), offset.to(torch.float16)
+    tiles = q.reshape(n // TILE_N, TILE_N, k // 8, 2, 4).to(torch.uint8)  # (T, lane, chunk, half, b)
+    nibbles = tiles[:, :, :, 0, :] | (tiles[:, :, :, 1, :] << 4)  # (T, lane, chunk, b)
+    wq = nibbles.permute(0, 2, 1, 3).contiguous()  # (T, chunk, lane, b)
+
+    def by_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(n // TILE_N, TILE_N, g).transpose(1, 2).contiguous()  # (T, G, 16)
+
+    return wq, by_tile(ws), by_tile(wo)
+
+
+def w4a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: int, bias: torch.Tensor | None,
+                threads: int | None = None) -> torch.Tensor:
+    """``x [M, K]`` (any float dtype) through the kernel; fp32 ``[M, N]``."""
+    lib = _library()
+    assert lib is not None, "w4a8 kernel unavailable: check native.available() first"
+    wq, ws, wo = state
+    m, k = x.shape
+    n = wq.shape[0] * TILE_N
+    x32 = x.to(torch.float32).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        rc = lib.specdec_w4a8_gemm(x32.data_ptr(), m, k, wq.data_ptr(), ws.data_ptr(), wo.data_ptr(), n, group_size,
+                                   y.data_ptr(), threads or torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"w4a8: could not allocate scratch for {m} x {k} activations")
+    return y + bias.float() if bias is not None else y
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation quantisation of ``x [M, K]``: ``xq`` fp32 ``[M, K/32, 32]`` (integers in
+    [-127, 127]), ``xs`` and ``xsum`` fp32 ``[M, K/32]`` (block scale, scale * sum of the block's integers)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK_K, BLOCK_K)
+    amax = xb.abs().amax(-1)  # (M, B)
+    xs = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    xq = torch.round(xb / xs[..., None]).clamp_(-127, 127)
+    return xq, xs, xs * xq.sum(-1)
+
+
+def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The w4a8 arithmetic in torch: ``x [M, K]``, ``q`` unpacked uint8 ``[N, K]``, ``scale`` / ``offset`` fp32
+    ``[N, G]`` (rounded to fp16 as the kernel holds them); fp32 ``[M, N]``. Block dots are exact; the kernel's
+    fused multiply-adds round once per block where this rounds twice, so compare with a tolerance."""
+    n, k = q.shape
+    xq, xs, xsum = quantize_activations(x)  # (M, B, 32), (M, B), (M, B)
+    blocks = k // BLOCK_K
+    per_group = blocks // scale.shape[1]
+    s = scale.to(torch.float16).float().repeat_interleave(per_group, 1)  # (N, B)
+    o = offset.to(torch.float16).float().repeat_interleave(per_group, 1)  # (N, B)
+    qb = q.double().reshape(n, blocks, BLOCK_K)  # (N, B, 32)
+    dots = torch.einsum("mbk,nbk->mnb", xq.double(), qb)  # (M, N, B) exact integer dots
+    terms = dots * (s[None] * xs[:, None, :]).double() + o[None].double() * xsum[:, None, :].double()
+    out = terms.sum(-1).float()
+    return out + bias.float() if bias is not None else out
