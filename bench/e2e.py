@@ -376,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft-quantization", choices=["int8", "int4"], default=None,
                         help="SpeculativeConfig(draft_quantization=...); with --draft self: a quantised copy of the "
                              "target drafts")
+    parser.add_argument("--quantize-lm-head", action="store_true", default=None,
+                        help="LLM(quantize_lm_head=True): the target's head quantised too (a tied one as a copy)")
+    parser.add_argument("--draft-quantize-lm-head", action="store_true", default=None,
+                        help="SpeculativeConfig(draft_quantize_lm_head=True)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-transformers", action="store_true", help="skip phase B")
     parser.add_argument("--transformers-separate", action="store_true",
@@ -393,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     draft_path = resolve_model(args.draft) if args.draft else None
     spec_config = specdec.SpeculativeConfig(method=args.method, draft_model=draft_path,
                                             draft_quantization=args.draft_quantization,
+                                            draft_quantize_lm_head=args.draft_quantize_lm_head,
                                             num_speculative_tokens=args.k, adaptive=args.adaptive,
                                             verify=args.verify, tree=parse_tree(args.tree),
                                             tree_budget=args.tree_budget, tree_policy=args.tree_policy)
@@ -408,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_kwargs = {"dtype": args.dtype, "max_model_len": max_model_len, "seed": args.seed,
                      "num_kv_blocks": max(args.batch) * (max_model_len // 16 + 1) + 2,
                      "enable_prefix_caching": False,  # every repetition pays its full prefill, as transformers does
-                     "quantization": args.quantization}
+                     "quantization": args.quantization, "quantize_lm_head": args.quantize_lm_head}
     plain_llm = specdec.LLM(target_path, **engine_kwargs)
     with reuse_target_weights(plain_llm):  # one copy of the target's weights for both engines
         spec_llm = specdec.LLM(target_path, speculative=spec_config, **engine_kwargs)

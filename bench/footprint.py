@@ -43,9 +43,13 @@ def mib(field):
 
 path, dtype, tokens = sys.argv[1], sys.argv[2], int(sys.argv[4])
 quantization = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] != "none" else None
+quantize_lm_head = None
+if quantization is not None and quantization.endswith("+head"):  # "int4+head": LLM(quantize_lm_head=True)
+    quantization, quantize_lm_head = quantization.removesuffix("+head"), True
 before = mib("VmRSS")
 start = time.perf_counter()
-llm = specdec.LLM(path, dtype=dtype, max_model_len=512, **({"quantization": quantization} if quantization else {}))
+llm = specdec.LLM(path, dtype=dtype, max_model_len=512,
+                  **({"quantization": quantization, "quantize_lm_head": quantize_lm_head} if quantization else {}))
 load_s = time.perf_counter() - start
 after = mib("VmRSS")
 model = llm.engine.model
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", default=["auto"], help="LLM(dtype=...) values")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded after a warm-up")
-    parser.add_argument("--quantizations", nargs="+", default=["none"], help="none | int8 | int4 (LLM(quantization=))")
+    parser.add_argument("--quantizations", nargs="+", default=["none"], help="none | int8 | int4 (LLM(quantization=)); "
+                        "int8+head / int4+head: with LLM(quantize_lm_head=True)")
     parser.add_argument("--python", default=None, help="also run with this interpreter (another tree: old vs new)")
     add_record_flag(parser)
     args = parser.parse_args(argv)

@@ -117,6 +117,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="as LLM(quantization=): int8 per channel or int4 per group (default: none)")
     parser.add_argument("--quantization-group-size", type=_positive_int, default=None,
                         help="as LLM(quantization_group_size=): default int8 per channel, int4 32")
+    parser.add_argument("--quantize-lm-head", action="store_true", default=None,
+                        help="as LLM(quantize_lm_head=True): quantise the LM head too, a tied one as its own copy")
     parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                         help="as LLM(tensor_parallel_size=): shard the model over N ranks (N - 1 spawned worker "
                              "processes; gloo on CPU, NCCL on CUDA); docs/tensor_parallel.md")
@@ -166,6 +168,8 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
                             "EAGLE-3 head for eagle3")
     group.add_argument("--draft-quantization", default=None, choices=("int8", "int4"),
                        help="as SpeculativeConfig(draft_quantization=)")
+    group.add_argument("--draft-quantize-lm-head", action="store_true", default=None,
+                       help="as SpeculativeConfig(draft_quantize_lm_head=True)")
     group.add_argument("--draft-tensor-parallel-size", type=_positive_int, default=None,
                        help="as SpeculativeConfig(draft_tensor_parallel_size=): 1 (the draft on rank 0) or the "
                             "target's --tensor-parallel-size (default)")
@@ -236,6 +240,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
             raise ValueError("--draft-model needs --speculative-method draft_model, combined or eagle3")
         if getattr(args, "draft_quantization", None) is not None:
             raise ValueError("--draft-quantization needs --speculative-method draft_model or combined")
+        if getattr(args, "draft_quantize_lm_head", None) is not None:
+            raise ValueError("--draft-quantize-lm-head needs --speculative-method draft_model or combined")
         if getattr(args, "draft_tensor_parallel_size", None) is not None:
             raise ValueError("--draft-tensor-parallel-size needs --speculative-method draft_model or combined")
         return None
@@ -243,6 +249,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
                              num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
                              verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget,
                              tree_policy=args.tree_policy, draft_quantization=args.draft_quantization,
+                             draft_quantize_lm_head=args.draft_quantize_lm_head,
                              draft_tensor_parallel_size=args.draft_tensor_parallel_size)
 
 
@@ -299,7 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
                          kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
                          enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
                          quantization_group_size=args.quantization_group_size,
-                         tensor_parallel_size=args.tensor_parallel_size)
+                         quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size)
     if signals:  # stopped by a signal that did not surface as KeyboardInterrupt: exit as the shell expects
         print("\ninterrupted", file=sys.stderr)
         return 128 + signals[-1]
@@ -317,7 +324,8 @@ def _generate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative,
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-              quantization_group_size=args.quantization_group_size, tensor_parallel_size=args.tensor_parallel_size)
+              quantization_group_size=args.quantization_group_size, quantize_lm_head=args.quantize_lm_head,
+              tensor_parallel_size=args.tensor_parallel_size)
     try:
         return _stream_one(llm, args, params)
     finally:

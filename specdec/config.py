@@ -14,7 +14,7 @@ from specdec.distributed.sharding import ShardLayout, check_tensor_parallel
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import available_memory_bytes, check_prepack_option
 from specdec.model.loader import resolve_model_path
-from specdec.model.quant.linear import check_quantization
+from specdec.model.quant.linear import check_quantization, check_quantize_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ class EngineConfig:
     # ranks the target is sharded over (docs/tensor_parallel.md); 1: one process, as before
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0  # the most one collective waits for a worker (a hung one) before failing
+    # None: an untied LM head is quantised with the linears, a tied one kept; True: a tied one too; False: never
+    quantize_lm_head: bool | None = None
 
     @classmethod
     def create(
@@ -68,6 +70,7 @@ class EngineConfig:
         quantization_group_size: int | None = None,
         tensor_parallel_size: int = 1,
         distributed_timeout_s: float = 60.0,
+        quantize_lm_head: bool | None = None,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -84,6 +87,7 @@ class EngineConfig:
         if not isinstance(enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         check_quantization(quantization, quantization_group_size)
+        check_quantize_lm_head(quantize_lm_head, quantization)
         _check_tensor_parallel_options(tensor_parallel_size, distributed_timeout_s, dev, quantization)
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
@@ -113,7 +117,7 @@ class EngineConfig:
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
                    num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching,
                    enforce_eager, quantization, quantization_group_size, tensor_parallel_size,
-                   float(distributed_timeout_s))
+                   float(distributed_timeout_s), quantize_lm_head)
 
     @property
     def gguf_source(self) -> str | None:
@@ -266,7 +270,9 @@ class SpeculativeConfig:
             uses exactly the q the draft sampled from.
         draft_quantization / draft_quantization_group_size: quantise the draft's linears ("int8" per channel, "int4"
             per group of 32 by default; specdec/model/quant/), independently of the target's ``LLM(quantization=)``.
-            Lossless either way: it only changes the proposals.
+            Lossless either way: it only changes the proposals. ``draft_quantize_lm_head``: as
+            ``LLM(quantize_lm_head=)`` for the draft (True: a tied draft head gets its own quantised copy; a self
+            draft then stops sharing the target's head).
         ngram_min_order / ngram_max_order / ngram_window: n-gram orders (2..4 = contexts of 1..3 tokens) and the
             sliding window of tokens the tables describe.
         prompt_lookup_min / prompt_lookup_max: suffix lengths tried, longest first.
@@ -317,6 +323,7 @@ class SpeculativeConfig:
     tree_policy: str = "measured"
     draft_quantization: str | None = None
     draft_quantization_group_size: int | None = None
+    draft_quantize_lm_head: bool | None = None
     draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -346,6 +353,7 @@ class SpeculativeConfig:
                                                                        self.tree_policy == "measured"):
             raise ValueError("cost_model is only used with adaptive=True or a tree with tree_policy='measured'")
         check_quantization(self.draft_quantization, self.draft_quantization_group_size, "draft_quantization")
+        check_quantize_lm_head(self.draft_quantize_lm_head, self.draft_quantization, "draft_quantize_lm_head")
         if self.draft_quantization is not None and not uses_model:
             raise ValueError(f"draft_quantization needs a draft model (method 'draft_model' or 'combined'), not "
                              f"{self.method!r}")

@@ -39,7 +39,11 @@ class LLM:
             ``quantization_group_size`` input columns, default 32): every linear but an LM head tied to the
             embedding, quantised while loading. A GGUF's Q4_0 / Q4_1 / Q8_0 blocks are kept as they are where the
             format maps exactly (group 32). On CPU int8 runs oneDNN's int8 GEMM with per-row int8 activations and
-            int4 torch's int4 kernel in bf16 (docs/guarantees.md: a quantised target is a different target).
+            int4 specdec's w4a8 kernel (AVX-512 VNNI; int8 activations per block of 32) where the CPU has it, else
+            torch's int4 kernel in bf16 (docs/guarantees.md: a quantised target is a different target).
+        quantize_lm_head: None (default): the LM head is quantised with the linears unless it is tied to the
+            embedding; True: a tied head too, as its own quantised copy of the embedding's rows (the embedding
+            stays for the lookup: more memory, fewer bytes streamed per token); False: the head never is.
         tensor_parallel_size: shard the target (and, by default, a draft model: ``SpeculativeConfig.
             draft_tensor_parallel_size``) over this many ranks - this process and N - 1 worker processes it
             spawns, gloo on CPU, NCCL on CUDA (one GPU per rank); docs/tensor_parallel.md. Call ``shutdown()`` (or
@@ -68,6 +72,7 @@ class LLM:
         quantization_group_size: int | None = None,
         tensor_parallel_size: int = 1,
         distributed_timeout_s: float = 60.0,
+        quantize_lm_head: bool | None = None,
     ):
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
@@ -81,6 +86,7 @@ class LLM:
             prepack_weights=prepack_weights, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, quantization=quantization, quantization_group_size=quantization_group_size,
             tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
+            quantize_lm_head=quantize_lm_head,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call

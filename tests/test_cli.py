@@ -230,6 +230,16 @@ def test_generate_quantised_with_a_quantised_self_draft(model_dir, capsys):
     assert "tokens/s" in capsys.readouterr().err
 
 
+def test_quantize_lm_head_flags_reach_the_configs():
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "int4", "--quantize-lm-head",
+                                          "--speculative-method", "draft_model", "--draft-model", "self",
+                                          "--draft-quantization", "int4", "--draft-quantize-lm-head"])
+    assert args.quantize_lm_head is True
+    assert cli.speculative_config(args).draft_quantize_lm_head is True
+    args = cli.build_parser().parse_args(["generate", "--prompt", "x"])
+    assert args.quantize_lm_head is None
+
+
 def test_draft_quantization_needs_a_draft_model():
     args = cli.build_parser().parse_args(["generate", "--prompt", "x", "--draft-quantization", "int4"])
     with pytest.raises(ValueError, match="--draft-quantization needs"):

@@ -94,3 +94,50 @@ def test_bad_draft_quantization_is_refused(tiny_pair):
         SpeculativeConfig(method="ngram", draft_quantization="int8")
     with pytest.raises(ValueError, match="draft_dtype must be the target's"):
         _llm(tiny_pair[0], speculative=SpeculativeConfig(draft_model="self", draft_dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def tied_target(tmp_path_factory):
+    from tiny_models import make_tiny_model
+
+    path = str(tmp_path_factory.mktemp("tied_target"))
+    make_tiny_model(path, "llama", seed=5, vocab_size=320, tie_word_embeddings=True)  # 320 rows: w4a8 applies
+    return path
+
+
+def test_quantize_lm_head_quantises_a_tied_head_as_its_own_copy(tied_target):
+    default = _llm(tied_target, quantization="int4").engine.model
+    assert not isinstance(default.lm_head, QuantizedLinear)  # None: a tied head stays in the model dtype
+    llm = _llm(tied_target, quantization="int4", quantize_lm_head=True)
+    model = llm.engine.model
+    assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.out_features == 320
+    assert torch.equal(model.embed_tokens.weight, default.embed_tokens.weight)  # the lookup keeps its rows
+    # the head is the embedding's rows quantised like any linear
+    reference = QuantizedLinear.from_weight(default.embed_tokens.weight.detach(), None, "int4")
+    reference.prepare(torch.device("cpu"))
+    assert reference.path == model.lm_head.path
+    h = torch.randn(3, default.embed_tokens.weight.shape[1])
+    assert torch.equal(model.lm_head(h), reference(h))
+    plain = _tokens(llm)
+    spec = _llm(tied_target, quantization="int4", quantize_lm_head=True,
+                speculative=SpeculativeConfig(draft_model="self", draft_quantization="int4",
+                                              draft_quantize_lm_head=True, num_speculative_tokens=3))
+    assert _tokens(spec) == plain
+    draft = spec.engine.speculative.proposer.runner.model
+    assert isinstance(draft.lm_head, QuantizedLinear) and draft.lm_head is not spec.engine.model.lm_head
+
+
+def test_quantize_lm_head_false_keeps_an_untied_head(tiny_pair):
+    assert isinstance(_llm(tiny_pair[0], quantization="int8").engine.model.lm_head, QuantizedLinear)
+    model = _llm(tiny_pair[0], quantization="int8", quantize_lm_head=False).engine.model
+    assert not isinstance(model.lm_head, QuantizedLinear)
+    assert isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
+
+
+def test_bad_quantize_lm_head_is_refused(tiny_pair):
+    with pytest.raises(ValueError, match="needs a quantization scheme"):
+        _llm(tiny_pair[0], quantize_lm_head=True)
+    with pytest.raises(ValueError, match="None, True or False"):
+        _llm(tiny_pair[0], quantization="int4", quantize_lm_head="yes")
+    with pytest.raises(ValueError, match="draft_quantize_lm_head=True needs"):
+        SpeculativeConfig(draft_model="self", draft_quantize_lm_head=True)

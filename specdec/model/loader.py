@@ -122,6 +122,7 @@ def load_model(
     path: str, dtype: torch.dtype, device: torch.device, max_positions: int, config: ModelConfig | None = None,
     prepack_weights: bool | None = None, quantization: str | None = None, quantization_group_size: int | None = None,
     gguf_path: str | None = None, shared_embedding: torch.nn.Parameter | None = None, group: TPGroup | None = None,
+    quantize_lm_head: bool | None = None,
 ) -> LlamaForCausalLM:
     """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed).
 
@@ -132,7 +133,8 @@ def load_model(
     None = where supported (CPU, float32, or bfloat16 with native bf16); True = always (``ValueError`` where
     unsupported); False = never (plain weights and ``F.linear``).
     ``quantization``: None, "int8" or "int4" - every linear but a tied LM head quantised while loading
-    (specdec/model/quant/load.py), group ``quantization_group_size``; ``gguf_path``: the GGUF the folder was
+    (specdec/model/quant/load.py), group ``quantization_group_size``; ``quantize_lm_head``: None as just said,
+    True also a tied head (its own quantised copy), False never the head; ``gguf_path``: the GGUF the folder was
     converted from, whose Q4_0 / Q4_1 / Q8_0 blocks are kept where they map exactly. ``shared_embedding``: use
     this embedding tensor (a self draft shares the target's) instead of reading one. ``group``: load rank
     ``group.rank``'s tensor-parallel shard only - every tensor's slice read straight from its file
@@ -150,7 +152,8 @@ def load_model(
         from specdec.model.quant.load import load_quantized
 
         load_quantized(model, iter_weight_entries(path), quantization, quantization_group_size, torch.device(device),
-                       dtype, gguf_path=gguf_path, shared_embedding=shared_embedding)
+                       dtype, gguf_path=gguf_path, shared_embedding=shared_embedding,
+                       quantize_lm_head=quantize_lm_head)
     else:
         model = model.to_empty(device=device)  # one allocation
         model.rope.reset(device)  # cos/sin tables are computed, not loaded; keep them fp32

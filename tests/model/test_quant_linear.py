@@ -112,6 +112,22 @@ def test_w4a8_close_to_its_reference(n, k, group, dtype):
 
 
 @needs_w4a8
+def test_w4a8_bf16_in_and_out_equal_the_fp32_path_rounded():
+    """The kernel reads bf16 activations as their fp32 values and writes bf16 as torch rounds fp32 (nearest even),
+    after adding the bias: bit for bit what the fp32 path followed by ``.to(bfloat16)`` gives."""
+    w, b = _weight(96, 256)
+    m = QuantizedLinear.from_weight(w, b.to(torch.bfloat16), "int4", 32)
+    m.prepare(torch.device("cpu"))
+    x = (torch.randn(7, 256) * 4).to(torch.bfloat16)
+    fp32 = native.w4a8_linear(x.float(), m.state, 32, m.bias)
+    assert torch.equal(native.w4a8_linear(x, m.state, 32, m.bias), fp32)
+    assert torch.equal(native.w4a8_linear(x, m.state, 32, m.bias, out_dtype=torch.bfloat16), fp32.to(torch.bfloat16))
+    assert m(x).dtype == torch.bfloat16 and torch.equal(m(x), fp32.to(torch.bfloat16))
+    half = native.w4a8_linear(x.half(), m.state, 32, m.bias, out_dtype=torch.float16)  # other dtypes via fp32
+    assert half.dtype == torch.float16
+
+
+@needs_w4a8
 def test_w4a8_reference_rejects_a_planted_bug():
     """The comparison above can fail: a kernel state with one nibble flipped is caught."""
     w, b = _weight(48, 1536)

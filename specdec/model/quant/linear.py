@@ -47,6 +47,15 @@ def check_quantization(quantization: object, group_size: object, what: str = "qu
                          f"int4) dividing every linear's input width, got {group_size!r}")
 
 
+def check_quantize_lm_head(value: object, quantization: object, what: str = "quantize_lm_head") -> None:
+    """``ValueError`` unless ``value`` is None (quantise an untied head, keep a tied one), True (quantise the head,
+    a tied one as its own copy beside the embedding) or False (never), and True comes with a quantization."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{what} must be None, True or False, got {value!r}")
+    if value is True and quantization is None:
+        raise ValueError(f"{what}=True needs a quantization scheme ('int8' or 'int4') to quantise the head with")
+
+
 class QuantizedLinear(nn.Module):
     """``y = x @ dequant(W).T + bias`` for ``x [..., in_features]`` (fp32 / bf16 / fp16) -> ``[..., out_features]``
     in ``x``'s dtype. Buffers: ``qweight`` (int8 ``[N, K]`` or packed uint8 ``[N, K // 2]``), ``scale`` fp32
@@ -128,7 +137,7 @@ class QuantizedLinear(nn.Module):
         if self.path == "w8a8":
             out = cpu_paths.w8a8_linear(x2, self.state, self.bias).to(x.dtype)
         elif self.path == "w4a8":
-            out = native.w4a8_linear(x2, self.state, self.group_size, self.bias).to(x.dtype)
+            out = native.w4a8_linear(x2, self.state, self.group_size, self.bias, out_dtype=x.dtype)
         elif self.path == "int4pack":
             out = cpu_paths.int4pack_linear(x2, self.state, self.group_size, self.bias).to(x.dtype)
         elif ops.use_triton(x2):

@@ -2,11 +2,13 @@
 so no full-precision copy of the model is ever held (peak: the quantised model + one fused fp32 weight).
 
 ``load_quantized`` takes a ``LlamaForCausalLM`` still on the ``meta`` device, puts a placeholder where each linear
-to quantise goes (every ``Linear`` but an LM head tied to the embedding, which stays unquantised: the embedding
-lookup needs its rows anyway), allocates the rest in the model dtype, then reads the checkpoint: the parts of a
-linear (q/k/v, gate/up) are gathered until complete, quantised into a ``QuantizedLinear`` and freed. With a GGUF
-source, a Q4_0 / Q4_1 / Q8_0 tensor whose format maps exactly onto the scheme asked for (int4 / int8 with group 32)
-is taken from the GGUF blocks unchanged (gguf_blocks.py); other tensors are quantised from their dequantised values.
+to quantise goes (every ``Linear``; by default not an LM head tied to the embedding, which stays unquantised since
+the embedding lookup needs its rows anyway - ``quantize_lm_head=True`` gives it a quantised copy of those rows, read
+from the embedding a chunk at a time once it is loaded), allocates the rest in the model dtype, then reads the
+checkpoint: the parts of a linear (q/k/v, gate/up) are gathered until complete, quantised into a
+``QuantizedLinear`` and freed. With a GGUF source, a Q4_0 / Q4_1 / Q8_0 tensor whose format maps exactly onto the
+scheme asked for (int4 / int8 with group 32) is taken from the GGUF blocks unchanged (gguf_blocks.py); other
+tensors are quantised from their dequantised values.
 """
 
 from __future__ import annotations
@@ -36,18 +38,24 @@ class _Pending(nn.Module):
 
 def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntry]], quantization: str,
                    group_size: int | None, device: torch.device, dtype: torch.dtype, cpu_path: str = "auto",
-                   gguf_path: str | None = None, shared_embedding: nn.Parameter | None = None) -> dict[str, int]:
+                   gguf_path: str | None = None, shared_embedding: nn.Parameter | None = None,
+                   quantize_lm_head: bool | None = None) -> dict[str, int]:
     """Allocate and load the meta-device ``model`` (a ``LlamaForCausalLM``) with its linears quantised
     (``quantization`` "int8" / "int4"; None: plain linears, only the embedding shared).
 
     ``shared_embedding``: use this tensor as the embedding (not read from the checkpoint, no copy) - a self draft
-    shares the target's. Returns counts: {"kept": linears taken from GGUF blocks unchanged, "quantized": others}.
+    shares the target's. ``quantize_lm_head``: None - quantise an untied head, keep a tied one in ``dtype``; True -
+    quantise the head either way (a tied head becomes a ``QuantizedLinear`` of the embedding's rows, the embedding
+    itself stays for the lookup); False - never quantise the head.
+    Returns counts: {"kept": linears taken from GGUF blocks unchanged, "quantized": others}.
     """
     group = group_size if group_size is not None or quantization is None else DEFAULT_GROUP_SIZE[quantization]
     pending: dict[str, _Pending] = {}
     tied = model.config.tie_word_embeddings
     for name, module in list(model.named_modules()):
-        if quantization is not None and isinstance(module, Linear) and not (name == "lm_head" and tied):
+        if name == "lm_head" and (tied or quantize_lm_head is False):
+            continue
+        if quantization is not None and isinstance(module, Linear):
             parts = 3 if name.endswith("qkv_proj") else 2 if name.endswith("gate_up_proj") else 1
             pending[name] = _Pending(module, parts)
             _set_module(model, name, pending[name])
@@ -106,6 +114,13 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     model.load_weights(rest())
     if pending:
         raise ValueError(f"checkpoint is missing linear weights: {sorted(pending)[:8]}")
+    if tied and quantize_lm_head and quantization is not None:
+        embedding = model.embed_tokens.weight.detach()  # (V, H) in dtype: quantised a chunk of rows at a time
+        q, scale, offset = _quantize_rows_in_chunks(embedding, quantization, group)
+        head = QuantizedLinear(q, scale, offset, 8 if quantization == "int8" else 4)
+        head.prepare(device, cpu_path)
+        model.lm_head = head
+        counts["quantized"] += 1
     _release_freed_heap()
     model.quant_counts = counts  # how the linears were made (bench / tests read it)
     return counts
@@ -119,7 +134,7 @@ def _quantize_rows_in_chunks(w: torch.Tensor, quantization: str, group: int | No
     scale belongs to one row), so the fp32 temporaries stay small beside the module's weight."""
     parts = []
     for start in range(0, w.shape[0], _CHUNK_ROWS):
-        chunk = w[start : start + _CHUNK_ROWS]
+        chunk = w[start : start + _CHUNK_ROWS].float()  # (<= _CHUNK_ROWS, K) fp32
         parts.append((*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group))
     q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return q, scale, torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None

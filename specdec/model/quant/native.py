@@ -65,7 +65,8 @@ def _library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(lib_path))
     fn = lib.specdec_w4a8_gemm
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    cint = ctypes.c_int
+    fn.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, cint, cint]
     fn.restype = ctypes.c_int
     return lib
 
@@ -109,21 +110,29 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tup
 
 
 def w4a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: int, bias: torch.Tensor | None,
-                threads: int | None = None) -> torch.Tensor:
-    """``x [M, K]`` (any float dtype) through the kernel; fp32 ``[M, N]``."""
+                threads: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [M, K]`` through the kernel: ``[M, N]`` in ``out_dtype`` (default fp32). fp32 and bf16 inputs are read
+    as they are and fp32 / bf16 outputs written by the kernel (the bias added to the fp32 result first, then one
+    rounding); other dtypes go through fp32."""
     lib = _library()
     assert lib is not None, "w4a8 kernel unavailable: check native.available() first"
     wq, ws, wo = state
     m, k = x.shape
     n = wq.shape[0] * TILE_N
-    x32 = x.to(torch.float32).contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
+    out_dtype = out_dtype or torch.float32
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    x = x.contiguous()
+    kernel_out = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+    y = torch.empty(m, n, dtype=kernel_out)
+    bias32 = bias.float().contiguous() if bias is not None else None
     if m:
-        rc = lib.specdec_w4a8_gemm(x32.data_ptr(), m, k, wq.data_ptr(), ws.data_ptr(), wo.data_ptr(), n, group_size,
-                                   y.data_ptr(), threads or torch.get_num_threads())
+        rc = lib.specdec_w4a8_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wq.data_ptr(), ws.data_ptr(),
+                                   wo.data_ptr(), bias32.data_ptr() if bias32 is not None else None, n, group_size,
+                                   y.data_ptr(), int(kernel_out == torch.bfloat16), threads or torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"w4a8: could not allocate scratch for {m} x {k} activations")
-    return y + bias.float() if bias is not None else y
+    return y.to(out_dtype)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

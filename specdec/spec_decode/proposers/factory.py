@@ -111,8 +111,9 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
                                   pool=pool)
     model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
                        False if config.prepack_weights is False else None,  # its dtype may not support prepacking
-                       spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared)
-    if is_self and draft_config.tie_word_embeddings:
+                       spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared,
+                       quantize_lm_head=spec.draft_quantize_lm_head)
+    if is_self and draft_config.tie_word_embeddings and not spec.draft_quantize_lm_head:
         model.lm_head = target_model.lm_head  # the tied head is the embedding's rows (and their packed copy): share
     return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
                               config.model_config.vocab_size, max_positions, tree_shape=_tree_shape(spec),

@@ -32,11 +32,33 @@
 #define BLOCK_K 32
 #define ROWS 16 /* rows per pass over a tile's weights: their accumulators stay in registers / L1 */
 
-static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq, float *xs, float *xsum) {
+typedef int32_t int32_a __attribute__((may_alias, aligned(4)));
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* fp32 -> bf16, rounding to nearest even as torch does (NaN stays a quiet NaN) */
+static inline __m256i float_to_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+
+static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, int8_t *xq, float *xs, float *xsum) {
     int64_t blocks = k / BLOCK_K;
+    float xb[BLOCK_K];
     for (int64_t m = 0; m < m_rows; m++) {
         for (int64_t b = 0; b < blocks; b++) {
-            const float *xb = x + m * k + b * BLOCK_K;
+            for (int i = 0; i < BLOCK_K; i++)
+                xb[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[m * k + b * BLOCK_K + i])
+                               : ((const float *)x)[m * k + b * BLOCK_K + i];
             float amax = 0.0f;
             for (int i = 0; i < BLOCK_K; i++) {
                 float a = fabsf(xb[i]);
@@ -57,10 +79,12 @@ static void quantize_rows(const float *x, int64_t m_rows, int64_t k, int8_t *xq,
     }
 }
 
-/* y [M, N] fp32 = w4a8(x [M, K] fp32). group: the weight group size (a multiple of 32 dividing K).
+/* y [M, N] = w4a8(x [M, K]) (+ bias [N] fp32, added to the fp32 result), x and y fp32 or bf16 (x_bf16, y_bf16:
+ * y rounded once from fp32, to nearest even). group: the weight group size (a multiple of 32 dividing K).
  * Returns 0, or -1 when the scratch buffers could not be allocated. */
-int specdec_w4a8_gemm(const float *x, int64_t m_rows, int64_t k, const uint8_t *wq, const uint16_t *ws,
-                      const uint16_t *wo, int64_t n, int64_t group, float *y, int nthreads) {
+int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, const uint8_t *wq, const uint16_t *ws,
+                      const uint16_t *wo, const float *bias, int64_t n, int64_t group, void *y, int y_bf16,
+                      int nthreads) {
     const int64_t blocks = k / BLOCK_K, groups = k / group, tiles = n / TILE_N, chunks = k / 8;
     const int64_t blocks_per_group = group / BLOCK_K;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((m_rows * k + 63) / 64 * 64));
@@ -70,7 +94,7 @@ int specdec_w4a8_gemm(const float *x, int64_t m_rows, int64_t k, const uint8_t *
         free(xq), free(xs), free(xsum);
         return -1;
     }
-    quantize_rows(x, m_rows, k, xq, xs, xsum);
+    quantize_rows(x, x_bf16, m_rows, k, xq, xs, xsum);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -95,13 +119,11 @@ int specdec_w4a8_gemm(const float *x, int64_t m_rows, int64_t k, const uint8_t *
                     const int8_t *xr = xq + (m0 + r) * k + b * BLOCK_K;
                     /* four independent int32 chains (vpdpbusd's latency, not its throughput, bounds one chain);
                      * integer sums are exact, so how they are split does not change the result */
+                    const int32_a *x4 = (const int32_a *)xr; /* 4 activation bytes per dword, broadcast */
                     __m512i part[4];
                     for (int i = 0; i < 4; i++) {
-                        int32_t lo4, hi4;
-                        memcpy(&lo4, xr + 4 * i, 4);
-                        memcpy(&hi4, xr + 4 * (i + 4), 4);
-                        part[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], _mm512_set1_epi32(lo4));
-                        part[i] = _mm512_dpbusd_epi32(part[i], w[i + 4], _mm512_set1_epi32(hi4));
+                        part[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], _mm512_set1_epi32(x4[i]));
+                        part[i] = _mm512_dpbusd_epi32(part[i], w[i + 4], _mm512_set1_epi32(x4[i + 4]));
                     }
                     const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]),
                                                          _mm512_add_epi32(part[2], part[3]));
@@ -110,7 +132,15 @@ int specdec_w4a8_gemm(const float *x, int64_t m_rows, int64_t k, const uint8_t *
                     acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsm), acc[r]);
                 }
             }
-            for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + (m0 + r) * n + t * TILE_N, acc[r]);
+            const __m512 bias_v = bias ? _mm512_loadu_ps(bias + t * TILE_N) : _mm512_setzero_ps();
+            for (int r = 0; r < rows; r++) {
+                const __m512 out = bias ? _mm512_add_ps(acc[r], bias_v) : acc[r];
+                const int64_t at = (m0 + r) * n + t * TILE_N;
+                if (y_bf16)
+                    _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), float_to_bf16(out));
+                else
+                    _mm512_storeu_ps((float *)y + at, out);
+            }
         }
     }
     free(xq), free(xs), free(xsum);
