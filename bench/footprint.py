@@ -48,8 +48,10 @@ if quantization is not None and quantization.endswith("+head"):  # "int4+head": 
     quantization, quantize_lm_head = quantization.removesuffix("+head"), True
 before = mib("VmRSS")
 start = time.perf_counter()
-llm = specdec.LLM(path, dtype=dtype, max_model_len=512,
-                  **({"quantization": quantization, "quantize_lm_head": quantize_lm_head} if quantization else {}))
+options = {"quantization": quantization} if quantization else {}
+if quantize_lm_head:  # only when asked: an older tree (--python) has no such argument
+    options["quantize_lm_head"] = True
+llm = specdec.LLM(path, dtype=dtype, max_model_len=512, **options)
 load_s = time.perf_counter() - start
 after = mib("VmRSS")
 model = llm.engine.model
