@@ -203,3 +203,24 @@ def test_group_must_divide_input_width():
     w, b = _weight(16, 96)
     with pytest.raises(ValueError, match="dividing"):
         QuantizedLinear.from_weight(w, b, "int4", 64)
+
+
+def test_w4a8_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path, caplog):
+    """A failing compiler (or SPECDEC_NATIVE=0) leaves int4 on torch's kernel, with a warning naming why."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    native._library.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            built = native.available()
+        if native._cpu_has_vnni():
+            assert not built and "building the w4a8 kernel failed" in caplog.text
+        w, b = _weight(48, 128)
+        m = QuantizedLinear.from_weight(w, b, "int4", 32)
+        m.prepare(torch.device("cpu"))
+        assert m.path != "w4a8"
+        native._library.cache_clear()
+        monkeypatch.setenv("SPECDEC_NATIVE", "0")
+        assert not native.available()
+    finally:
+        native._library.cache_clear()  # the next caller builds (or finds) the real kernel again

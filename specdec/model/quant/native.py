@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ import torch
 
 from specdec.model.loader import cache_root
 
+logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "native" / "w4a8.c"
 TILE_N = 16  # outputs per tile (one zmm of fp32 lanes)
 BLOCK_K = 32  # inputs per activation block (one int8 scale per row and block)
@@ -48,6 +50,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if compiler is None:
+        logger.warning("no C compiler (gcc / cc / $CC) found: int4 linears use torch's slower int4 kernel")
         return None
     source = SOURCE.read_bytes()
     tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
@@ -60,6 +63,8 @@ def _library() -> ctypes.CDLL | None:
             done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(tmp_lib), "-lm"], capture_output=True,
                                   text=True)
             if done.returncode != 0:
+                logger.warning("building the w4a8 kernel failed (int4 linears use torch's slower int4 kernel): %s",
+                               done.stderr.strip()[-2000:])
                 return None
             os.replace(tmp_lib, lib_path)
     lib = ctypes.CDLL(str(lib_path))
