@@ -21,6 +21,10 @@
  *   ws, wo  fp16 [N/16, G, 16]: scale and offset of group g for the tile's 16 outputs
  * One 64-byte load gives 8 inputs x 16 outputs; vpdpbusd multiplies the unsigned nibbles by 4 broadcast signed
  * activation bytes and adds 4 products into each output's int32 lane.
+ *
+ * Per block and row the floor on Zen 4 is ~11 cycles in the vector multiply pipes (8 vpdpbusd, the s * xs multiply
+ * and 2 FMAs); cvtdq2ps and the integer ops go to the other pipes. Up to 16 rows share one pass over a tile with
+ * their accumulators in registers, and the weight stream is prefetched so that memory and compute overlap.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -30,16 +34,12 @@
 
 #define TILE_N 16
 #define BLOCK_K 32
-#define ROWS 16 /* rows per pass over a tile's weights: their accumulators stay in registers / L1 */
+#define ROWS 16 /* rows per pass over a tile's weights: each count up to it has its own unrolled tile_rows */
+/* Software prefetch distance into the weight stream. The hardware prefetcher alone did not overlap the stream with
+ * the compute of several rows (time was memory + compute); 2-4 KiB ahead did, 8 KiB and more was no better. */
+#define PREFETCH_BYTES 4096
 
 typedef int32_t int32_a __attribute__((may_alias, aligned(4)));
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* fp32 -> bf16, rounding to nearest even as torch does (NaN stays a quiet NaN) */
 static inline __m256i float_to_bf16(__m512 v) {
@@ -51,33 +51,133 @@ static inline __m256i float_to_bf16(__m512 v) {
     return _mm512_cvtepi32_epi16(rounded);
 }
 
+/* The activation quantisation of the header comment, 16 lanes at a time (a scalar loop here cost a third of an
+ * in-cache 16-row call). Each step is the IEEE operation of the scalar arithmetic, so the results are the same bit
+ * for bit: NaN inputs are skipped by the max (as `a > amax ? a : amax` does) and kept by the clamp (min/max return
+ * their second operand on NaN); the round follows the current rounding mode as nearbyintf does.
+ * Outputs are block-major (xq [K/32, M, 32], xs and xsum [K/32, M]) so that the rows of a pass lie at constant
+ * offsets from one pointer: row-major, 16 rows needed 48 pointers and gcc spilled them in the inner loop. */
 static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, int8_t *xq, float *xs, float *xsum) {
-    int64_t blocks = k / BLOCK_K;
-    float xb[BLOCK_K];
+    const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+    const int64_t blocks = k / BLOCK_K;
     for (int64_t m = 0; m < m_rows; m++) {
         for (int64_t b = 0; b < blocks; b++) {
-            for (int i = 0; i < BLOCK_K; i++)
-                xb[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[m * k + b * BLOCK_K + i])
-                               : ((const float *)x)[m * k + b * BLOCK_K + i];
-            float amax = 0.0f;
-            for (int i = 0; i < BLOCK_K; i++) {
-                float a = fabsf(xb[i]);
-                amax = a > amax ? a : amax;
+            const int64_t at = m * k + b * BLOCK_K, out = (b * m_rows + m) * BLOCK_K;
+            __m512 v[2];
+            for (int h = 0; h < 2; h++)
+                v[h] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                    _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at + 16 * h))), 16))
+                              : _mm512_loadu_ps((const float *)x + at + 16 * h);
+            __m512 amax_v = _mm512_setzero_ps();
+            for (int h = 0; h < 2; h++)
+                amax_v = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[h]), abs_mask)),
+                                       amax_v);
+            const float amax = _mm512_reduce_max_ps(amax_v);
+            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            __m512i isum = _mm512_setzero_si512();
+            for (int h = 0; h < 2; h++) {
+                __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[h], _mm512_set1_ps(s)),
+                                                _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); /* nearbyintf */
+                q = _mm512_max_ps(lo, _mm512_min_ps(hi, q));
+                const __m512i qi = _mm512_cvttps_epi32(q);
+                _mm_storeu_si128((__m128i *)(xq + out + 16 * h), _mm512_cvtepi32_epi8(qi));
+                isum = _mm512_add_epi32(isum, qi);
             }
-            float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-            int32_t isum = 0;
-            int8_t *qb = xq + m * k + b * BLOCK_K;
-            for (int i = 0; i < BLOCK_K; i++) {
-                float v = nearbyintf(xb[i] / s);
-                v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-                qb[i] = (int8_t)v;
-                isum += (int32_t)v;
-            }
-            xs[m * blocks + b] = s;
-            xsum[m * blocks + b] = s * (float)isum;
+            xs[b * m_rows + m] = s;
+            xsum[b * m_rows + m] = s * (float)_mm512_reduce_add_epi32(isum);
         }
     }
 }
+
+/* acc + the dot of 4 unsigned weight bytes per int32 lane of w with the 4 signed activation bytes at x, broadcast
+ * to every lane by vpdpbusd's embedded {1to16} (gcc does not fold _mm512_set1_epi32 into it: a separate
+ * vpbroadcastd each time) */
+static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_a *x) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
+    return acc;
+}
+
+/* Rows m0..m0+R-1 (of m_rows) of tile t in one pass over the tile's weights: each block's 8 weight vectors are
+ * unpacked once for the R rows. R is a constant in each tile_rows_R, so the loops over rows unroll and the row
+ * pointers are constant offsets (the old loop over a variable row count kept its accumulators in memory). Every
+ * row does the same operations in the same order whatever R is. prefetch: fetch the stream PREFETCH_BYTES ahead
+ * (the first pass; later passes find the tile in cache). Past the weight's end the prefetch is harmless. */
+static inline __attribute__((always_inline)) void tile_rows(const int R, int64_t t, int64_t m0, int64_t k,
+                                                            const int8_t *xq, const float *xs, const float *xsum,
+                                                            const uint8_t *wq, const uint16_t *ws,
+                                                            const uint16_t *wo, const float *bias, int64_t n,
+                                                            int64_t group, void *y, int y_bf16, int64_t m_rows,
+                                                            int prefetch) {
+    const int64_t groups = k / group, blocks_per_group = group / BLOCK_K;
+    const uint8_t *wt = wq + t * (k / 8) * 64;
+    const uint16_t *wst = ws + t * groups * TILE_N, *wot = wo + t * groups * TILE_N;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 acc[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0, b = 0; g < groups; g++) {
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wst + g * TILE_N)));
+        const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wot + g * TILE_N)));
+        for (int64_t bg = 0; bg < blocks_per_group; bg++, b++) {
+            if (prefetch)
+                for (int i = 0; i < 4; i++)
+                    _mm_prefetch((const char *)(wt + (b * 4 + i) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+            __m512i w[8]; /* w[2i]: inputs 32b+8i..+3, w[2i+1]: inputs 32b+8i+4..+7, as unsigned bytes */
+            for (int i = 0; i < 4; i++) {
+                __m512i v = _mm512_loadu_si512((const void *)(wt + (b * 4 + i) * 64));
+                w[2 * i] = _mm512_and_si512(v, nibble);
+                w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const int64_t at = b * m_rows + m0 + r;
+                const int32_a *x4 = (const int32_a *)(xq + at * BLOCK_K); /* dword j: inputs 4j..4j+3 */
+                /* two int32 chains (the rows interleave, so more did not help); integer sums are exact, so the
+                 * split does not change the result */
+                __m512i p0 = _mm512_setzero_si512(), p1 = _mm512_setzero_si512();
+                for (int i = 0; i < 4; i++) {
+                    p0 = dpbusd_bcst(p0, w[i], x4 + i);
+                    p1 = dpbusd_bcst(p1, w[i + 4], x4 + i + 4);
+                }
+                const __m512i dot = _mm512_add_epi32(p0, p1);
+                const float xsc = xs[at], xsm = xsum[at];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(xsc)), acc[r]);
+                acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsm), acc[r]);
+            }
+        }
+    }
+    const __m512 bias_v = bias ? _mm512_loadu_ps(bias + t * TILE_N) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+        const __m512 out = bias ? _mm512_add_ps(acc[r], bias_v) : acc[r];
+        const int64_t at = (m0 + r) * n + t * TILE_N;
+        if (y_bf16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), float_to_bf16(out));
+        else
+            _mm512_storeu_ps((float *)y + at, out);
+    }
+}
+
+/* tile_rows for each R up to ROWS, as functions of their own: inlined together into one body, the 1- and 2-row
+ * loops ran ~10% slower (code placement) */
+#define TILE_ROWS(R)                                                                                                  \
+    static void tile_rows_##R(int64_t t, int64_t m0, int64_t k, const int8_t *xq, const float *xs, const float *xsum, \
+                              const uint8_t *wq, const uint16_t *ws, const uint16_t *wo, const float *bias, int64_t n, \
+                              int64_t group, void *y, int y_bf16, int64_t m_rows, int prefetch) {                    \
+        tile_rows(R, t, m0, k, xq, xs, xsum, wq, ws, wo, bias, n, group, y, y_bf16, m_rows, prefetch);              \
+    }
+TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
+TILE_ROWS(9) TILE_ROWS(10) TILE_ROWS(11) TILE_ROWS(12) TILE_ROWS(13) TILE_ROWS(14) TILE_ROWS(15) TILE_ROWS(16)
+#undef TILE_ROWS
+typedef void tile_pass_fn(int64_t, int64_t, int64_t, const int8_t *, const float *, const float *, const uint8_t *,
+                          const uint16_t *, const uint16_t *, const float *, int64_t, int64_t, void *, int, int64_t,
+                          int);
+static tile_pass_fn *const tile_pass[ROWS + 1] = {
+    NULL,         tile_rows_1,  tile_rows_2,  tile_rows_3,  tile_rows_4,  tile_rows_5,  tile_rows_6,
+    tile_rows_7,  tile_rows_8,  tile_rows_9,  tile_rows_10, tile_rows_11, tile_rows_12, tile_rows_13,
+    tile_rows_14, tile_rows_15, tile_rows_16,
+};
 
 /* y [M, N] = w4a8(x [M, K]) (+ bias [N] fp32, added to the fp32 result), x and y fp32 or bf16 (x_bf16, y_bf16:
  * y rounded once from fp32, to nearest even). group: the weight group size (a multiple of 32 dividing K).
@@ -85,8 +185,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, 
 int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, const uint8_t *wq, const uint16_t *ws,
                       const uint16_t *wo, const float *bias, int64_t n, int64_t group, void *y, int y_bf16,
                       int nthreads) {
-    const int64_t blocks = k / BLOCK_K, groups = k / group, tiles = n / TILE_N, chunks = k / 8;
-    const int64_t blocks_per_group = group / BLOCK_K;
+    const int64_t blocks = k / BLOCK_K, tiles = n / TILE_N;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((m_rows * k + 63) / 64 * 64));
     float *xs = (float *)malloc((size_t)(m_rows * blocks) * sizeof(float));
     float *xsum = (float *)malloc((size_t)(m_rows * blocks) * sizeof(float));
@@ -95,52 +194,15 @@ int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, cons
         return -1;
     }
     quantize_rows(x, x_bf16, m_rows, k, xq, xs, xsum);
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    /* rows go in passes of at most ROWS, as even as possible (33 rows: 11 + 11 + 11, 17 rows: 8 + 9) */
+    const int64_t passes = (m_rows + ROWS - 1) / ROWS;
 
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *wt = wq + t * chunks * 64;
-        const uint16_t *wst = ws + t * groups * TILE_N, *wot = wo + t * groups * TILE_N;
-        for (int64_t m0 = 0; m0 < m_rows; m0 += ROWS) {
-            const int64_t rows = m_rows - m0 < ROWS ? m_rows - m0 : ROWS;
-            __m512 acc[ROWS];
-            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < blocks; b++) {
-                const int64_t g = b / blocks_per_group;
-                const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wst + g * TILE_N)));
-                const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wot + g * TILE_N)));
-                __m512i w[8]; /* w[2i]: inputs 32b+8i..+3, w[2i+1]: inputs 32b+8i+4..+7, as unsigned bytes */
-                for (int i = 0; i < 4; i++) {
-                    __m512i v = _mm512_loadu_si512((const void *)(wt + (b * 4 + i) * 64));
-                    w[2 * i] = _mm512_and_si512(v, nibble);
-                    w[2 * i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-                }
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *xr = xq + (m0 + r) * k + b * BLOCK_K;
-                    /* four independent int32 chains (vpdpbusd's latency, not its throughput, bounds one chain);
-                     * integer sums are exact, so how they are split does not change the result */
-                    const int32_a *x4 = (const int32_a *)xr; /* 4 activation bytes per dword, broadcast */
-                    __m512i part[4];
-                    for (int i = 0; i < 4; i++) {
-                        part[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[i], _mm512_set1_epi32(x4[i]));
-                        part[i] = _mm512_dpbusd_epi32(part[i], w[i + 4], _mm512_set1_epi32(x4[i + 4]));
-                    }
-                    const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]),
-                                                         _mm512_add_epi32(part[2], part[3]));
-                    const float xsc = xs[(m0 + r) * blocks + b], xsm = xsum[(m0 + r) * blocks + b];
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(xsc)), acc[r]);
-                    acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsm), acc[r]);
-                }
-            }
-            const __m512 bias_v = bias ? _mm512_loadu_ps(bias + t * TILE_N) : _mm512_setzero_ps();
-            for (int r = 0; r < rows; r++) {
-                const __m512 out = bias ? _mm512_add_ps(acc[r], bias_v) : acc[r];
-                const int64_t at = (m0 + r) * n + t * TILE_N;
-                if (y_bf16)
-                    _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), float_to_bf16(out));
-                else
-                    _mm512_storeu_ps((float *)y + at, out);
-            }
+        for (int64_t p = 0, m0 = 0; p < passes; p++) {
+            const int64_t rows = (m_rows - m0) / (passes - p);
+            tile_pass[rows](t, m0, k, xq, xs, xsum, wq, ws, wo, bias, n, group, y, y_bf16, m_rows, p == 0);
+            m0 += rows;
         }
     }
     free(xq), free(xs), free(xsum);
