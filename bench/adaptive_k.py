@@ -59,11 +59,13 @@ def run_one(args) -> dict:
     spec = None
     if args.one != "plain":
         adaptive = args.one == "adaptive"
+        quant = {"draft_quantization": args.draft_quantization} if args.draft_quantization else {}
         spec = specdec.SpeculativeConfig(method=args.method, draft_model=draft_path, adaptive=adaptive,
                                          num_speculative_tokens=args.k if adaptive else int(args.one[2:]),
-                                         prompt_lookup_min=args.prompt_lookup_min)
+                                         prompt_lookup_min=args.prompt_lookup_min, **quant)
+    quant = {"quantization": args.quantization} if args.quantization else {}  # (an older tree may not know it)
     llm = specdec.LLM(target_path, dtype=args.dtype, max_model_len=args.max_model_len,
-                      num_kv_blocks=args.num_kv_blocks, speculative=spec)
+                      num_kv_blocks=args.num_kv_blocks, speculative=spec, **quant)
     ids = class_ids(args, llm.engine.tokenizer)
     params = specdec.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     warm = next(iter(ids.values()))[:1]
@@ -173,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--num-kv-blocks", type=int, default=512)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
+    parser.add_argument("--quantization", choices=("int8", "int4"), default=None, help="LLM(quantization=)")
+    parser.add_argument("--draft-quantization", choices=("int8", "int4"), default=None,
+                        help="SpeculativeConfig(draft_quantization=)")
     parser.add_argument("--configs", default=None, help=f"comma-separated subset of: {CONFIGS_HELP} (default: all)")
     parser.add_argument("--python", default=sys.executable,
                         help="the interpreter that runs each configuration (another tree's venv: old vs new)")
@@ -199,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows, ["class", *(f"{n} tok/s" for n in names), "best", "adaptive / best", "adaptive k_per_step",
                            "lossless"])
     payload = {"machine": machine_info(), "args": vars(args), "summary": summary}
-    name = f"adaptive_k_{slug(args.target)}_{slug(args.draft or args.method)}_k{args.k}_t{args.threads}"
+    name = (f"adaptive_k_{slug(args.target)}_{slug(args.draft or args.method)}_k{args.k}_t{args.threads}_{args.dtype}"
+            f"{'_' + args.quantization if args.quantization else ''}"
+            f"{'_d' + args.draft_quantization if args.draft_quantization else ''}")
     print(f"wrote {write_json(name, payload, args.record)}")
     failed = [cls for cls, s in summary.items() if s["errors"] or not s["lossless"]]
     return 1 if failed else 0
