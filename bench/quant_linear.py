@@ -5,10 +5,10 @@
 Shapes are ``N x K`` (out x in), Qwen2.5-1.5B's MLP up (gate_up is 2x), down and LM head by default. Paths (every
 one built from the same random weight; the quantised ones through ``QuantizedLinear``, so the timed code is the
 model's):
-  fp32 F.linear, bf16 prepacked (oneDNN, ``specdec.model.linear.Linear``), int8 w8a8 (oneDNN int8 GEMM with
-  per-row int8 activations; bf16 input), int8 torch ``_weight_int8pack_mm`` (weight-only, bf16), int4 g32 w4a8 (the
-  C kernel of ``specdec/model/quant/native.py``: int4 weights x per-block int8 activations, VNNI), int4 g32 int4pack
-  (``_weight_int4pack_mm_for_cpu``, bf16).
+  fp32 F.linear, bf16 prepacked (oneDNN, ``specdec.model.linear.Linear``), int8 w8a8 (per-row int8 activations;
+  bf16 input) by specdec's native kernel and by oneDNN's int8 GEMM, int8 torch ``_weight_int8pack_mm`` (weight-only,
+  bf16), int4 g32 w4a8 (the C kernel of ``specdec/model/quant/native.py``: int4 weights x per-block int8
+  activations, VNNI), int4 g32 int4pack (``_weight_int4pack_mm_for_cpu``, bf16).
 Each repetition times every (rows, path) once, interleaved, so a noisy neighbour hits all paths alike, and writes a
 64 MiB buffer before every call so the weight comes from memory, not from the last-level cache, as it does in a
 model's forward (a model's linears together are far larger than the cache). NOTE: without that flush a 14 MB int8
@@ -38,13 +38,14 @@ def _paths(n: int, k: int) -> dict[str, tuple]:
         lin.weight.copy_(w)
     lin.prepack(release_weight=True)
     paths["bf16 prepacked"] = (lin, torch.bfloat16)
-    q8 = QuantizedLinear.from_weight(w, None, "int8")
-    q8.prepare(torch.device("cpu"), release=False)
-    if q8.path == "w8a8":
-        paths["int8 w8a8 (oneDNN)"] = (q8, torch.bfloat16)
+    for cpu_path in ("auto", "torch"):
+        q8 = QuantizedLinear.from_weight(w, None, "int8")
+        q8.prepare(torch.device("cpu"), cpu_path, release=False)
+        if q8.path == "w8a8":
+            paths[f"int8 w8a8 ({q8.backend})"] = (q8, torch.bfloat16)
     w8, s8 = q8.qweight, q8.scale.reshape(n).to(torch.bfloat16)
     paths["int8 _weight_int8pack_mm"] = (lambda x: torch._weight_int8pack_mm(x, w8, s8), torch.bfloat16)
-    for cpu_path in ("auto", "int4pack"):
+    for cpu_path in ("auto", "torch"):
         q4 = QuantizedLinear.from_weight(w, None, "int4", 32)
         q4.prepare(torch.device("cpu"), cpu_path)
         if q4.path in ("w4a8", "int4pack"):

@@ -38,9 +38,10 @@ class LLM:
         quantization: None, "int8" (symmetric, per output channel) or "int4" (asymmetric, per group of
             ``quantization_group_size`` input columns, default 32): every linear but an LM head tied to the
             embedding, quantised while loading. A GGUF's Q4_0 / Q4_1 / Q8_0 blocks are kept as they are where the
-            format maps exactly (group 32). On CPU int8 runs oneDNN's int8 GEMM with per-row int8 activations and
-            int4 specdec's w4a8 kernel (AVX-512 VNNI; int8 activations per block of 32) where the CPU has it, else
-            torch's int4 kernel in bf16 (docs/guarantees.md: a quantised target is a different target).
+            format maps exactly (group 32). On CPU int8 runs with per-row int8 activations (specdec's w8a8 kernel,
+            else oneDNN's int8 GEMM) and int4 specdec's w4a8 kernel (AVX-512 VNNI; int8 activations per block of
+            32) where the CPU has it, else torch's int4 kernel in bf16 (docs/guarantees.md: a quantised target is a
+            different target).
         quantize_lm_head: None (default): the LM head is quantised with the linears unless it is tied to the
             embedding; True: a tied head too, as its own quantised copy of the embedding's rows (the embedding
             stays for the lookup: more memory, fewer bytes streamed per token); False: the head never is.

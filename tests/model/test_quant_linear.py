@@ -55,18 +55,68 @@ def test_weight_only_reference_is_the_dequantised_matmul(scheme, dtype):
     assert m(x).dtype == dtype
 
 
-@pytest.mark.skipif(not cpu_paths.w8a8_available(), reason="no oneDNN int8 linear in this torch")
+def _w8a8_backend(cpu_path: str) -> str:
+    if cpu_path == "auto" and not native.available():
+        pytest.skip("no AVX-512 VNNI or no C compiler here")
+    if cpu_path == "torch" and not cpu_paths.w8a8_available():
+        pytest.skip("no oneDNN int8 linear in this torch")
+    return "native" if cpu_path == "auto" else "onednn"
+
+
+def _w8a8_run(m: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """fp32 output of ``m``'s w8a8 backend (before any cast)."""
+    if m.backend == "native":
+        return native.w8a8_linear(x, m.state, m.bias)
+    return cpu_paths.w8a8_linear(x, m.state, m.bias)
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w8a8_equals_its_reference_exactly(n, k, dtype):
+@pytest.mark.parametrize("cpu_path", ["auto", "torch"])  # specdec's native kernel, oneDNN's int8 GEMM
+def test_w8a8_equals_its_reference_exactly(n, k, dtype, cpu_path):
+    backend = _w8a8_backend(cpu_path)
     w, b = _weight(n, k)
     m = QuantizedLinear.from_weight(w, b, "int8")
-    m.prepare(torch.device("cpu"), release=False)
-    assert m.path == "w8a8"
-    x = (torch.randn(16, k) * 3).to(dtype)
+    m.prepare(torch.device("cpu"), cpu_path, release=False)
+    assert (m.path, m.backend) == ("w8a8", backend)
+    x = (torch.randn(37, k) * 3).to(dtype)  # 37 rows: passes of 12 + 12 + 13 in the native kernel
     x[3] = 0  # an all-zero row
-    out = torch.cat([cpu_paths.w8a8_linear(x[i:i + 4], m.state, m.bias) for i in range(0, 16, 4)])
+    x[5, 7] = 1e4  # an outlier row
+    out = torch.cat([_w8a8_run(m, x[i:i + 4]) for i in range(0, 37, 4)])
     assert torch.equal(out, m.path_reference(x))
+    assert torch.equal(_w8a8_run(m, x), out)  # all rows at once: the same bits
+
+
+def test_native_w8a8_rejects_a_planted_bug():
+    """The exact comparison above can fail: one weight byte changed in the native layout is caught."""
+    _w8a8_backend("auto")
+    w, b = _weight(48, 256)
+    m = QuantizedLinear.from_weight(w, b, "int8")
+    m.prepare(torch.device("cpu"), release=False)
+    wu, ws = m.state
+    bad = wu.clone()
+    bad.view(-1)[777] += 1
+    x = torch.randn(3, 256)
+    assert not torch.equal(native.w8a8_linear(x, (bad, ws), m.bias), m.path_reference(x))
+
+
+@pytest.mark.parametrize("scheme,cpu_path", [("int8", "auto"), ("int4", "auto"), ("int8", "torch")])
+def test_non_finite_activations_give_non_finite_rows(scheme, cpu_path):
+    """A NaN or an infinity in a row's input makes that row's output NaN (never finite garbage the engine's check
+    would miss); the other rows are untouched."""
+    if cpu_path == "torch":
+        _w8a8_backend("torch")
+    elif not native.available():
+        pytest.skip("no AVX-512 VNNI or no C compiler here")
+    w, b = _weight(48, 256)
+    m = QuantizedLinear.from_weight(w, b, scheme)
+    m.prepare(torch.device("cpu"), cpu_path)
+    x = torch.randn(4, 256)
+    clean = m(x)
+    x[1, 100], x[2, 3] = float("nan"), float("inf")
+    out = m(x)
+    assert not torch.isfinite(out[1]).any() and not torch.isfinite(out[2]).any()
+    assert torch.equal(out[[0, 3]], clean[[0, 3]])
 
 
 @pytest.mark.skipif(not cpu_paths.int4pack_available(), reason="no _weight_int4pack_mm_for_cpu in this torch")
@@ -75,7 +125,7 @@ def test_w8a8_equals_its_reference_exactly(n, k, dtype):
 def test_int4pack_close_to_its_reference(n, k, group):
     w, b = _weight(n, k)
     m = QuantizedLinear.from_weight(w, b, "int4", group)
-    m.prepare(torch.device("cpu"), "int4pack", release=False)
+    m.prepare(torch.device("cpu"), "torch", release=False)
     assert m.path == "int4pack"
     x = torch.randn(16, k)
     ref = m.path_reference(x)
@@ -157,7 +207,7 @@ def test_w4a8_is_not_used_where_it_does_not_apply():
 
 
 @pytest.mark.parametrize("scheme,group", [("int8", None), ("int8", 32), ("int4", 32), ("int4", 64)])
-@pytest.mark.parametrize("cpu_path", ["auto", "weight_only", "int4pack"])
+@pytest.mark.parametrize("cpu_path", ["auto", "weight_only", "torch"])
 def test_rows_are_independent(scheme, group, cpu_path):
     """Each row's output is bit-identical whether computed alone (decode) or among 2..33 rows (windows)."""
     w, b = _weight(160, 256)
@@ -224,3 +274,12 @@ def test_w4a8_falls_back_when_it_cannot_be_built(monkeypatch, tmp_path, caplog):
         assert not native.available()
     finally:
         native._library.cache_clear()  # the next caller builds (or finds) the real kernel again
+
+
+def test_w8a8_packing_in_slices_equals_the_layout():
+    """pack_w8a8 packs 2048 rows at a time: across slice boundaries the layout is still wu[t, c, lane, b] =
+    q[16 t + lane, 4 c + b] + 128."""
+    q = torch.randint(-127, 128, (4112, 32), dtype=torch.int8)
+    wu, ws = native.pack_w8a8(q, torch.ones(4112, 1))
+    expected = (q.to(torch.int16) + 128).to(torch.uint8).reshape(257, 16, 8, 4).permute(0, 2, 1, 3)
+    assert torch.equal(wu, expected) and ws.shape == (4112,)

@@ -56,12 +56,16 @@ def int4pack_available() -> bool:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row of ``x [M, K]``: ``xq`` fp32 ``[M, K]`` (integers in [-127, 127]) and ``x_scale`` fp32
-    ``[M, 1]`` (max |x| / 127 per row, 1 for an all-zero row)."""
+    """Symmetric int8 per row of ``x [M, K]``: ``xq`` fp32 ``[M, K]`` (integers in [-127, 127]; 0 in a non-finite
+    row) and ``x_scale`` fp32 ``[M, 1]`` (max |x| / 127 per row, 1 for an all-zero row, NaN for a row holding a NaN
+    or an infinity)."""
     x32 = x.float()
     amax = x32.abs().amax(-1, keepdim=True)  # (M, 1)
     x_scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(x32 / x_scale).clamp_(-127, 127), x_scale
+    # a row holding a NaN or an infinity gets a NaN scale, so its outputs are NaN and the engine's non-finite check
+    # sees them (``amax > 0`` is False for NaN: the row would otherwise be scaled by 1 into finite garbage)
+    x_scale = torch.where(torch.isfinite(amax), x_scale, torch.full_like(amax, float("nan")))
+    return torch.round(x32 / x_scale).nan_to_num_(0.0).clamp_(-127, 127), x_scale
 
 
 def w8a8_prepare(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

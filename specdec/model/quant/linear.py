@@ -6,8 +6,9 @@ model's output for a row does not depend on how many rows a forward has (decode 
 
 - ``"weight_only"`` (CUDA, or CPU where no fast path applies): ``x @ dequant(W).T`` with fp32 products and
   accumulation - the Triton kernel on CUDA (kernels/quant_matmul.py), its torch reference elsewhere.
-- ``"w8a8"`` (CPU, int8 per-channel): oneDNN's int8 GEMM with per-row dynamic int8 activations
-  (specdec/model/quant/cpu_paths.py) - activations are quantised too.
+- ``"w8a8"`` (CPU, int8 per-channel): int8 weights times per-row dynamic int8 activations - activations are
+  quantised too (specdec/model/quant/cpu_paths.py) - run by specdec's C kernel (native.py, ``backend "native"``)
+  where it builds, else by oneDNN's int8 GEMM (``backend "onednn"``): the same arithmetic, bit for bit.
 - ``"w4a8"`` (CPU with AVX-512 VNNI and a C compiler, int4 with a group that is a multiple of 32): the C kernel of
   specdec/model/quant/native.py - int4 weights times per-block int8 activations, each weight read once for 16 rows.
 - ``"int4pack"`` (CPU, int4 with group 32/64/128/256, where w4a8 is unavailable): torch's
@@ -29,7 +30,8 @@ from specdec.model.quant.formats import BITS, quantize_int4, quantize_int8, unpa
 
 QUANTIZATIONS = ("int8", "int4")
 DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}  # int8 per output channel; int4 per 32 inputs (GGUF's block)
-CPU_PATHS = ("auto", "weight_only", "int4pack")  # "int4pack": skip w4a8 (the measured comparison)
+# "torch": torch's / oneDNN's CPU kernels only, not specdec's native ones (int4pack for int4, oneDNN for w8a8)
+CPU_PATHS = ("auto", "weight_only", "torch")
 
 
 def check_quantization(quantization: object, group_size: object, what: str = "quantization") -> None:
@@ -74,6 +76,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("offset", offset)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.path = "weight_only"  # see the module docstring; set by prepare()
+        self.backend: str | None = None  # w8a8 only: "native" (specdec's C kernel) or "onednn"
         self.state: tuple | None = None  # the CPU path's tensors (oneDNN / int4pack formats)
         self.released = False  # qweight / scale / offset were replaced by the CPU path's copies
 
@@ -92,7 +95,7 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
-                f"group_size={self.group_size}, path={self.path}")
+                f"group_size={self.group_size}, path={self.path}" + (f" ({self.backend})" if self.backend else ""))
 
     def dequantize(self) -> torch.Tensor:
         """The weight as fp32 ``[N, K]`` (``ValueError`` once a CPU path replaced the quantised tensors)."""
@@ -104,18 +107,23 @@ class QuantizedLinear(nn.Module):
 
     def prepare(self, device: torch.device, cpu_path: str = "auto", release: bool = True) -> None:
         """Fix the arithmetic for ``device``: on CPU with ``cpu_path="auto"`` the fast path that applies ("w8a8"
-        for per-channel int8, "w4a8" or else "int4pack" for int4 with a supported group), else "weight_only";
-        ``cpu_path="int4pack"`` passes over w4a8. ``release``: the
+        for per-channel int8 - specdec's kernel, else oneDNN's -, "w4a8" or else "int4pack" for int4 with a supported
+        group), else "weight_only"; ``cpu_path="torch"`` passes over specdec's native kernels. ``release``: the
         CPU path's packed copies replace ``qweight`` / ``scale`` / ``offset`` (meta tensors), so they are held once."""
         if cpu_path not in CPU_PATHS:
             raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {cpu_path!r}")
         if self.released:
             return
-        self.path, self.state = "weight_only", None
+        self.path, self.state, self.backend = "weight_only", None, None
         if torch.device(device).type != "cpu" or cpu_path == "weight_only":
             return
-        if self.bits == 8 and self.scale.shape[1] == 1 and cpu_paths.w8a8_available():
-            self.path, self.state = "w8a8", cpu_paths.w8a8_prepare(self.qweight, self.scale)
+        native_ok = cpu_path == "auto" and native.available()
+        if self.bits == 8 and self.scale.shape[1] == 1 and native_ok and native.supports_w8a8(self.out_features,
+                                                                                              self.in_features):
+            self.path, self.backend, self.state = "w8a8", "native", native.pack_w8a8(self.qweight, self.scale)
+        elif self.bits == 8 and self.scale.shape[1] == 1 and cpu_paths.w8a8_available():
+            self.path, self.backend = "w8a8", "onednn"
+            self.state = cpu_paths.w8a8_prepare(self.qweight, self.scale)
         elif (self.bits == 4 and cpu_path == "auto" and native.supports(self.out_features, self.in_features,
                                                                         self.group_size)
               and native.fits_fp16(self.scale, self.offset) and native.available()):
@@ -134,7 +142,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, K)
-        if self.path == "w8a8":
+        if self.path == "w8a8" and self.backend == "native":
+            out = native.w8a8_linear(x2, self.state, self.bias, out_dtype=x.dtype)
+        elif self.path == "w8a8":
             out = cpu_paths.w8a8_linear(x2, self.state, self.bias).to(x.dtype)
         elif self.path == "w4a8":
             out = native.w4a8_linear(x2, self.state, self.group_size, self.bias, out_dtype=x.dtype)

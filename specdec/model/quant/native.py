@@ -1,5 +1,7 @@
-"""The "w4a8" CPU path: a small C kernel (``native/w4a8.c``, AVX-512 VNNI) built with the system's C compiler at first
-use and called through ctypes, its weight packing, and the torch reference of its arithmetic.
+"""specdec's own CPU kernels, built with the system's C compiler at first use and called through ctypes: "w4a8"
+(``native/w4a8.c``: int4 weights x per-block int8 activations) and the native "w8a8" (``native/w8a8.c``: int8
+weights x per-row int8 activations, the arithmetic of ``cpu_paths.w8a8_reference`` bit for bit, in place of
+oneDNN's int8 GEMM), both AVX-512 VNNI; their weight packing; and the torch reference of w4a8's arithmetic.
 
 Why a C kernel: torch's CPU int4 op (``_weight_int4pack_mm_for_cpu``) streams ~7 GB/s at one row and re-reads the
 weight for every further row, so int4 on this CPU decoded no faster than bf16 (docs/benchmarks.md, "Quantized
@@ -10,6 +12,9 @@ like "w8a8" it is a different arithmetic from the weight-only reference; the ari
 
 Where it is unavailable (no AVX-512 VNNI, no C compiler, ``SPECDEC_NATIVE=0``) ``available()`` is False and
 ``QuantizedLinear`` keeps to its other paths. The built library lives in ``$SPECDEC_CACHE/native/<source hash>/``.
+
+The native w8a8 kernel reads each int8 weight once for up to 16 rows with one vpdpbusd per 64 weights and row;
+oneDNN's int8 GEMM streamed the same weights at about half the rate at one row (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ import torch
 from specdec.model.loader import cache_root
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "native" / "w4a8.c"
+SOURCES = [Path(__file__).parent / "native" / name for name in ("w4a8.c", "w8a8.c")]
 TILE_N = 16  # outputs per tile (one zmm of fp32 lanes)
 BLOCK_K = 32  # inputs per activation block (one int8 scale per row and block)
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+# -ffp-contract=off: no multiply-add is fused unless the source says so (_mm512_fmadd_ps): the kernels' rounding is
+# the one their headers and the torch references spell out
+CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp",
+          "-fPIC", "-shared"]
 
 
 def _cpu_has_vnni() -> bool:
@@ -52,16 +60,16 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler (gcc / cc / $CC) found: int4 linears use torch's slower int4 kernel")
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out_dir = Path(cache_root()) / "native" / tag
-    lib_path = out_dir / "libspecdec_w4a8.so"
+    lib_path = out_dir / "libspecdec_native.so"
     if not lib_path.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: parallel builders agree
             tmp_lib = Path(tmp) / lib_path.name
-            done = subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", str(tmp_lib), "-lm"], capture_output=True,
-                                  text=True)
+            done = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(tmp_lib), "-lm"],
+                                  capture_output=True, text=True)
             if done.returncode != 0:
                 logger.warning("building the w4a8 kernel failed (int4 linears use torch's slower int4 kernel): %s",
                                done.stderr.strip()[-2000:])
@@ -73,6 +81,9 @@ def _library() -> ctypes.CDLL | None:
     cint = ctypes.c_int
     fn.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, cint, cint]
     fn.restype = ctypes.c_int
+    fn8 = lib.specdec_w8a8_gemm
+    fn8.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, ptr, cint, cint]
+    fn8.restype = ctypes.c_int
     return lib
 
 
@@ -140,14 +151,62 @@ def w4a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: in
     return y.to(out_dtype)
 
 
+def supports_w8a8(out_features: int, in_features: int) -> bool:
+    """The shapes the w8a8 kernel takes: N a multiple of 16, K of 16 and below 66000 (int32 sums stay exact)."""
+    return out_features % TILE_N == 0 and in_features % 16 == 0 and in_features < 66000
+
+
+def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The w8a8 kernel's layout of an int8 per-channel weight (``q`` int8 ``[N, K]``, ``scale`` fp32 ``[N, 1]``):
+    (wu uint8 ``[N/16, K/4, 16, 4]`` holding q + 128, ws fp32 ``[N]``)."""
+    n, k = q.shape
+    if not supports_w8a8(n, k) or scale.shape != (n, 1):
+        raise ValueError(f"w8a8 needs a per-channel int8 weight with out_features % 16 == 0 and in_features % 16 == 0"
+                         f"; got N={n}, K={k}, scale {tuple(scale.shape)}")
+    wu = torch.empty(n // TILE_N, k // 4, TILE_N, 4, dtype=torch.uint8)  # (T, chunk, lane, b)
+    rows = 2048  # a multiple of 16: packed a slice at a time, so the temporaries stay small beside the weight
+    for start in range(0, n, rows):
+        shifted = q[start : start + rows].contiguous().view(torch.uint8) ^ 0x80  # two's complement q + 128, [1, 255]
+        tiles = shifted.reshape(-1, TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # (t, chunk, lane, b)
+        wu[start // TILE_N : start // TILE_N + tiles.shape[0]] = tiles
+    return wu, scale.reshape(n).float().contiguous()
+
+
+def w8a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
+                threads: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [M, K]`` through the native w8a8 kernel: ``[M, N]`` in ``out_dtype`` (default fp32); bit for bit
+    ``cpu_paths.w8a8_reference`` (then one rounding to bf16 where asked)."""
+    lib = _library()
+    assert lib is not None, "native kernels unavailable: check native.available() first"
+    wu, ws = state
+    m, k = x.shape
+    n = ws.shape[0]
+    out_dtype = out_dtype or torch.float32
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    x = x.contiguous()
+    kernel_out = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+    y = torch.empty(m, n, dtype=kernel_out)
+    bias32 = bias.float().contiguous() if bias is not None else None
+    if m:
+        rc = lib.specdec_w8a8_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wu.data_ptr(), ws.data_ptr(),
+                                   bias32.data_ptr() if bias32 is not None else None, n, y.data_ptr(),
+                                   int(kernel_out == torch.bfloat16), threads or torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"w8a8: could not allocate scratch for {m} x {k} activations")
+    return y.to(out_dtype)
+
+
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's activation quantisation of ``x [M, K]``: ``xq`` fp32 ``[M, K/32, 32]`` (integers in
-    [-127, 127]), ``xs`` and ``xsum`` fp32 ``[M, K/32]`` (block scale, scale * sum of the block's integers)."""
+    [-127, 127]), ``xs`` and ``xsum`` fp32 ``[M, K/32]`` (block scale, scale * sum of the block's integers; NaN
+    for a block holding a NaN or an infinity)."""
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK_K, BLOCK_K)
     amax = xb.abs().amax(-1)  # (M, B)
     xs = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    xq = torch.round(xb / xs[..., None]).clamp_(-127, 127)
+    xs = torch.where(torch.isfinite(amax), xs, torch.full_like(amax, float("nan")))  # NaN / inf in the block: NaN
+    xq = torch.round(xb / xs[..., None]).nan_to_num_(0.0).clamp_(-127, 127)
     return xq, xs, xs * xq.sum(-1)
 
 

@@ -74,7 +74,12 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, 
                 amax_v = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[h]), abs_mask)),
                                        amax_v);
             const float amax = _mm512_reduce_max_ps(amax_v);
-            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            /* a NaN or an infinity in the block makes its scale NaN, so the row's outputs are NaN - as the torch
+             * reference's are - and the engine's non-finite check sees them (the max above skips NaN, and the
+             * clamp and int conversion would turn it into finite garbage) */
+            const __mmask16 nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
+                                  _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
+            const float s = (nan || isinf(amax)) ? NAN : amax > 0.0f ? amax / 127.0f : 1.0f;
             __m512i isum = _mm512_setzero_si512();
             for (int h = 0; h < 2; h++) {
                 __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[h], _mm512_set1_ps(s)),
@@ -113,7 +118,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, int64_t
     const uint8_t *wt = wq + t * (k / 8) * 64;
     const uint16_t *wst = ws + t * groups * TILE_N, *wot = wo + t * groups * TILE_N;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    __m512 acc[R];
+    __m512 acc[ROWS]; /* fixed bounds (R is a constant here): a variable-length array lives in memory */
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0, b = 0; g < groups; g++) {
