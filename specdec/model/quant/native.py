@@ -34,7 +34,9 @@ import torch
 from specdec.model.loader import cache_root
 
 logger = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "native" / name for name in ("w4a8.c", "w8a8.c")]
+NATIVE_DIR = Path(__file__).parent / "native"
+SOURCES = [NATIVE_DIR / name for name in ("w4a8.c", "w8a8.c")]  # compiled into one library
+HEADERS = [NATIVE_DIR / "common.h"]  # what they share (part of the build's hash)
 TILE_N = 16  # outputs per tile (one zmm of fp32 lanes)
 BLOCK_K = 32  # inputs per activation block (one int8 scale per row and block)
 # -ffp-contract=off: no multiply-add is fused unless the source says so (_mm512_fmadd_ps): the kernels' rounding is
@@ -60,7 +62,7 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler (gcc / cc / $CC) found: int4 linears use torch's slower int4 kernel")
         return None
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
     out_dir = Path(cache_root()) / "native" / tag
     lib_path = out_dir / "libspecdec_native.so"
@@ -125,6 +127,27 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tup
     return wq, by_tile(ws), by_tile(wo)
 
 
+def _kernel_io(x: torch.Tensor, n: int, out_dtype: torch.dtype | None, bias: torch.Tensor | None) -> tuple:
+    """What a native kernel call takes: ``x`` as fp32 or bf16 (other dtypes through fp32), contiguous; the output
+    ``[M, n]`` in fp32 or bf16 (``out_dtype`` if it is one of them, else fp32: cast after); the bias as fp32."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    out_dtype = out_dtype or torch.float32
+    kernel_out = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+    y = torch.empty(x.shape[0], n, dtype=kernel_out)
+    bias32 = bias.float().contiguous() if bias is not None else None
+    return x.contiguous(), y, bias32, out_dtype
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def _check(rc: int, kernel: str, m: int, k: int) -> None:
+    if rc != 0:
+        raise MemoryError(f"{kernel}: could not allocate scratch for {m} x {k} activations")
+
+
 def w4a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: int, bias: torch.Tensor | None,
                 threads: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x [M, K]`` through the kernel: ``[M, N]`` in ``out_dtype`` (default fp32). fp32 and bf16 inputs are read
@@ -135,19 +158,12 @@ def w4a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: in
     wq, ws, wo = state
     m, k = x.shape
     n = wq.shape[0] * TILE_N
-    out_dtype = out_dtype or torch.float32
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
-    x = x.contiguous()
-    kernel_out = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
-    y = torch.empty(m, n, dtype=kernel_out)
-    bias32 = bias.float().contiguous() if bias is not None else None
+    x, y, bias32, out_dtype = _kernel_io(x, n, out_dtype, bias)
     if m:
         rc = lib.specdec_w4a8_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wq.data_ptr(), ws.data_ptr(),
-                                   wo.data_ptr(), bias32.data_ptr() if bias32 is not None else None, n, group_size,
-                                   y.data_ptr(), int(kernel_out == torch.bfloat16), threads or torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError(f"w4a8: could not allocate scratch for {m} x {k} activations")
+                                   wo.data_ptr(), _ptr(bias32), n, group_size, y.data_ptr(),
+                                   int(y.dtype == torch.bfloat16), threads or torch.get_num_threads())
+        _check(rc, "w4a8", m, k)
     return y.to(out_dtype)
 
 
@@ -181,19 +197,12 @@ def w8a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], bias:
     wu, ws = state
     m, k = x.shape
     n = ws.shape[0]
-    out_dtype = out_dtype or torch.float32
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
-    x = x.contiguous()
-    kernel_out = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
-    y = torch.empty(m, n, dtype=kernel_out)
-    bias32 = bias.float().contiguous() if bias is not None else None
+    x, y, bias32, out_dtype = _kernel_io(x, n, out_dtype, bias)
     if m:
         rc = lib.specdec_w8a8_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wu.data_ptr(), ws.data_ptr(),
-                                   bias32.data_ptr() if bias32 is not None else None, n, y.data_ptr(),
-                                   int(kernel_out == torch.bfloat16), threads or torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError(f"w8a8: could not allocate scratch for {m} x {k} activations")
+                                   _ptr(bias32), n, y.data_ptr(), int(y.dtype == torch.bfloat16),
+                                   threads or torch.get_num_threads())
+        _check(rc, "w8a8", m, k)
     return y.to(out_dtype)
 
 

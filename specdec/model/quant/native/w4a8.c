@@ -26,35 +26,14 @@
  * and 2 FMAs); cvtdq2ps and the integer ops go to the other pipes. Up to 16 rows share one pass over a tile with
  * their accumulators in registers, and the weight stream is prefetched so that memory and compute overlap.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "common.h"
 
-#define TILE_N 16
-#define BLOCK_K 32
-#define ROWS 16 /* rows per pass over a tile's weights: each count up to it has its own unrolled tile_rows */
-/* Software prefetch distance into the weight stream. The hardware prefetcher alone did not overlap the stream with
- * the compute of several rows (time was memory + compute); 2-4 KiB ahead did, 8 KiB and more was no better. */
-#define PREFETCH_BYTES 4096
-
-typedef int32_t int32_a __attribute__((may_alias, aligned(4)));
-
-/* fp32 -> bf16, rounding to nearest even as torch does (NaN stays a quiet NaN) */
-static inline __m256i float_to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
-}
+#define BLOCK_K 32 /* inputs per activation block (one int8 scale per row and block) */
 
 /* The activation quantisation of the header comment, 16 lanes at a time (a scalar loop here cost a third of an
  * in-cache 16-row call). Each step is the IEEE operation of the scalar arithmetic, so the results are the same bit
- * for bit: NaN inputs are skipped by the max (as `a > amax ? a : amax` does) and kept by the clamp (min/max return
- * their second operand on NaN); the round follows the current rounding mode as nearbyintf does.
+ * for bit: NaN inputs are skipped by the max (as `a > amax ? a : amax` does) and a block holding a NaN or an
+ * infinity gets a NaN scale (below); the round follows the current rounding mode as nearbyintf does.
  * Outputs are block-major (xq [K/32, M, 32], xs and xsum [K/32, M]) so that the rows of a pass lie at constant
  * offsets from one pointer: row-major, 16 rows needed 48 pointers and gcc spilled them in the inner loop. */
 static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, int8_t *xq, float *xs, float *xsum) {
@@ -93,14 +72,6 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, 
             xsum[b * m_rows + m] = s * (float)_mm512_reduce_add_epi32(isum);
         }
     }
-}
-
-/* acc + the dot of 4 unsigned weight bytes per int32 lane of w with the 4 signed activation bytes at x, broadcast
- * to every lane by vpdpbusd's embedded {1to16} (gcc does not fold _mm512_set1_epi32 into it: a separate
- * vpbroadcastd each time) */
-static inline __m512i dpbusd_bcst(__m512i acc, __m512i w, const int32_a *x) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-    return acc;
 }
 
 /* Rows m0..m0+R-1 (of m_rows) of tile t in one pass over the tile's weights: each block's 8 weight vectors are
@@ -156,11 +127,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, int64_t
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
         const __m512 out = bias ? _mm512_add_ps(acc[r], bias_v) : acc[r];
-        const int64_t at = (m0 + r) * n + t * TILE_N;
-        if (y_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), float_to_bf16(out));
-        else
-            _mm512_storeu_ps((float *)y + at, out);
+        store_row(y, y_bf16, (m0 + r) * n + t * TILE_N, out);
     }
 }
 

@@ -19,26 +19,7 @@
  * offsets from one pointer (see w4a8.c). Memory-bound at one row; each further row costs one vpdpbusd per 64
  * weights, so a 5-row window reads the weight once and costs little more than a decode.
  */
-#include <immintrin.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define TILE_N 16
-#define ROWS 16
-#define PREFETCH_BYTES 4096
-
-typedef int32_t int32_a __attribute__((may_alias, aligned(4)));
-
-static inline __m256i float_to_bf16_w8(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(rounded);
-}
+#include "common.h"
 
 static inline float load_x(const void *x, int x_bf16, int64_t i) {
     if (!x_bf16) return ((const float *)x)[i];
@@ -72,11 +53,6 @@ static void quantize_rows_w8(const void *x, int x_bf16, int64_t m_rows, int64_t 
     }
 }
 
-static inline __m512i dpbusd_bcst_w8(__m512i acc, __m512i w, const int32_a *x) {
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
-    return acc;
-}
-
 /* Rows m0..m0+R-1 of tile t in one pass over the tile's weights. P int32 chains per row hide vpdpbusd's latency
  * when there are few rows (P * R >= 4); integer sums are exact, so the split does not change the result. */
 static inline __attribute__((always_inline)) void tile_rows_w8(const int R, int64_t t, int64_t m0, int64_t k,
@@ -101,7 +77,7 @@ static inline __attribute__((always_inline)) void tile_rows_w8(const int R, int6
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-            for (int p = 0; p < P; p++) acc[r][p] = dpbusd_bcst_w8(acc[r][p], w[p], x4 + (c + p) * m_rows + r);
+            for (int p = 0; p < P; p++) acc[r][p] = dpbusd_bcst(acc[r][p], w[p], x4 + (c + p) * m_rows + r);
     }
     const __m512 scale = _mm512_loadu_ps(ws + t * TILE_N);
     const __m512 bias_v = bias ? _mm512_loadu_ps(bias + t * TILE_N) : _mm512_setzero_ps();
@@ -112,11 +88,7 @@ static inline __attribute__((always_inline)) void tile_rows_w8(const int R, int6
         total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * xsum[m0 + r]));
         __m512 out = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(total), scale), _mm512_set1_ps(xs[m0 + r]));
         if (bias) out = _mm512_add_ps(out, bias_v);
-        const int64_t at = (m0 + r) * n + t * TILE_N;
-        if (y_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), float_to_bf16_w8(out));
-        else
-            _mm512_storeu_ps((float *)y + at, out);
+        store_row(y, y_bf16, (m0 + r) * n + t * TILE_N, out);
     }
 }
 
