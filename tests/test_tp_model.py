@@ -59,10 +59,11 @@ def workers(checkpoints):
     assert all(not p.is_alive() for p in w.procs)
 
 
-def run_forwards(model, pool) -> torch.Tensor:
-    """Prefill two sequences in chunks, decode, then a 3-token tree window: every logits row, stacked."""
+def run_forwards(model, pool, device: str = "cpu") -> torch.Tensor:
+    """Prefill two sequences in chunks, decode, then a 3-token tree window: every logits row, stacked, as fp32 on
+    the CPU (tests/gpu/test_tp_nccl.py runs the same forwards on cuda:0)."""
     bm = BlockManager(pool.num_blocks, pool.block_size)
-    runner = ModelRunner(model, pool, bm, torch.device("cpu"))
+    runner = ModelRunner(model, pool, bm, torch.device(device))
     bm.allocate(0, 6)
     bm.allocate(1, 9)
     rows = [runner.forward([ForwardItem(0, [3, 17, 256, 300, 5, 9], 0, 6), ForwardItem(1, [1, 2, 3, 4], 0, 1)])]
@@ -73,7 +74,7 @@ def run_forwards(model, pool) -> torch.Tensor:
     bm.append_slots(0, 10)
     mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # node 2 is a sibling of node 1
     rows.append(runner.forward([ForwardItem(0, [8, 77, 78], 7, 3, positions=[7, 8, 8], mask=mask)]))
-    return torch.cat(rows)  # (17, V)
+    return torch.cat(rows).float().cpu()  # (17, V)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

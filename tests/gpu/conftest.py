@@ -6,6 +6,15 @@ import pytest
 import torch
 
 
+@pytest.fixture
+def no_tf32():
+    """fp32 matmuls in fp32 (no TF32) for the test, as the torch references compute them; restored after."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.fixture(autouse=True)
 def _needs_cuda(request):
     if not torch.cuda.is_available():

@@ -22,7 +22,7 @@ import torch
 from specdec.kernels.quant_matmul import quant_matmul, quant_matmul_config, quant_matmul_reference
 from specdec.model.quant.linear import QuantizedLinear
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]  # the reference's fp32 matmul: no tf32
 
 # (hidden, heads, kv heads, intermediate, vocab) -> name: (N out, K in), as the engine fuses them
 MODELS = {"llama1b": (2048, 32, 8, 8192, 128256), "llama3b": (3072, 24, 8, 8192, 128256)}
@@ -44,15 +44,6 @@ def _module(shape: str, scheme: str) -> QuantizedLinear:
     gen = torch.Generator(device="cuda").manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=gen, device="cuda") * 0.02  # (N, K) fp32
     return QuantizedLinear.from_weight(w, None, scheme)
-
-
-@pytest.fixture(autouse=True)
-def _fp32_reference():
-    """The reference's fp32 matmul must be fp32 on the GPU too (no tf32)."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def check(shape: str, scheme: str, dtype: torch.dtype) -> None:

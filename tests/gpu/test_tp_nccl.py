@@ -12,18 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 from test_tp_model import BLOCK_SIZE, BLOCKS, MAX_POS, VARIANTS, VOCAB, write_variants
+from test_tp_model import run_forwards as cpu_run_forwards
 from tiny_models import make_tiny_model
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.distributed.launcher import TensorParallelWorkers
 from specdec.distributed.worker import ModelSpec
 from specdec.model.config import ModelConfig
 from specdec.model.loader import load_model
-from specdec.runner.model_runner import ForwardItem, ModelRunner
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 CUDA = torch.device("cuda:0")
 # fp32 on CUDA without TF32; the all-reduce sums the partial products in another order than one GEMM does
@@ -35,14 +34,6 @@ def _needs_cuda(request):  # overrides tests/gpu/conftest.py's: this module need
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         pytest.fail(f"needs 2 CUDA devices (NCCL tensor parallelism), found {n}: {request.node.nodeid}")
-
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +55,8 @@ def workers(checkpoints):
 
 
 def run_forwards(model, pool) -> torch.Tensor:
-    """As tests/test_tp_model.py's, on cuda:0: every logits row of prefill chunks, decodes and a tree window."""
-    bm = BlockManager(pool.num_blocks, pool.block_size)
-    runner = ModelRunner(model, pool, bm, CUDA)
-    bm.allocate(0, 6)
-    bm.allocate(1, 9)
-    rows = [runner.forward([ForwardItem(0, [3, 17, 256, 300, 5, 9], 0, 6), ForwardItem(1, [1, 2, 3, 4], 0, 1)])]
-    rows.append(runner.forward([ForwardItem(1, [150, 151, 152, 299, 0], 4, 5)]))
-    bm.append_slots(0, 7)
-    bm.append_slots(1, 10)
-    rows.append(runner.forward([ForwardItem(0, [42], 6, 1), ForwardItem(1, [7], 9, 1)]))
-    bm.append_slots(0, 10)
-    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    rows.append(runner.forward([ForwardItem(0, [8, 77, 78], 7, 3, positions=[7, 8, 8], mask=mask)]))
-    return torch.cat(rows).float().cpu()  # (17, V)
+    """tests/test_tp_model.py's forwards (prefill chunks, decodes, a tree window), on cuda:0."""
+    return cpu_run_forwards(model, pool, CUDA)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

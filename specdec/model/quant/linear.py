@@ -77,6 +77,7 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.path = "weight_only"  # see the module docstring; set by prepare()
         self.backend: str | None = None  # w8a8 only: "native" (specdec's C kernel) or "onednn"
+        self.bias_fp32: torch.Tensor | None = None  # the native kernels' bias, converted once in prepare()
         self.state: tuple | None = None  # the CPU path's tensors (oneDNN / int4pack formats)
         self.released = False  # qweight / scale / offset were replaced by the CPU path's copies
 
@@ -114,7 +115,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {cpu_path!r}")
         if self.released:
             return
-        self.path, self.state, self.backend = "weight_only", None, None
+        self.path, self.state, self.backend, self.bias_fp32 = "weight_only", None, None, None
         if torch.device(device).type != "cpu" or cpu_path == "weight_only":
             return
         native_ok = cpu_path == "auto" and native.available()
@@ -133,6 +134,8 @@ class QuantizedLinear(nn.Module):
               and cpu_paths.int4pack_available()):
             self.path = "int4pack"
             self.state = cpu_paths.int4pack_prepare(unpack_int4(self.qweight), self.scale, self.offset)
+        if self.bias is not None and (self.path == "w4a8" or self.backend == "native"):
+            self.bias_fp32 = self.bias.detach().float().contiguous()  # the model dtype's bias, fp32 (no copy if fp32)
         if self.path != "weight_only" and release:
             for name in ("qweight", "scale", "offset"):
                 t = getattr(self, name)
@@ -143,11 +146,11 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if self.path == "w8a8" and self.backend == "native":
-            out = native.w8a8_linear(x2, self.state, self.bias, out_dtype=x.dtype)
+            out = native.w8a8_linear(x2, self.state, self.bias_fp32, out_dtype=x.dtype)
         elif self.path == "w8a8":
             out = cpu_paths.w8a8_linear(x2, self.state, self.bias).to(x.dtype)
         elif self.path == "w4a8":
-            out = native.w4a8_linear(x2, self.state, self.group_size, self.bias, out_dtype=x.dtype)
+            out = native.w4a8_linear(x2, self.state, self.group_size, self.bias_fp32, out_dtype=x.dtype)
         elif self.path == "int4pack":
             out = cpu_paths.int4pack_linear(x2, self.state, self.group_size, self.bias).to(x.dtype)
         elif ops.use_triton(x2):

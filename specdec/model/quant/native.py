@@ -55,12 +55,13 @@ def _cpu_has_vnni() -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    """Build (once per source version) and load the kernel; None where it cannot run here."""
+    """Build (once per source version) and load the native kernels; None where they cannot run here."""
     if os.environ.get("SPECDEC_NATIVE", "1") == "0" or not _cpu_has_vnni():
         return None
     compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if compiler is None:
-        logger.warning("no C compiler (gcc / cc / $CC) found: int4 linears use torch's slower int4 kernel")
+        logger.warning("no C compiler (gcc / cc / $CC) found: specdec's native CPU kernels are off (int4 linears use "
+                       "torch's slower int4 kernel, int8 ones oneDNN's int8 GEMM)")
         return None
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
@@ -73,8 +74,8 @@ def _library() -> ctypes.CDLL | None:
             done = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(tmp_lib), "-lm"],
                                   capture_output=True, text=True)
             if done.returncode != 0:
-                logger.warning("building the w4a8 kernel failed (int4 linears use torch's slower int4 kernel): %s",
-                               done.stderr.strip()[-2000:])
+                logger.warning("building specdec's native CPU kernels failed (int4 linears use torch's slower int4 "
+                               "kernel, int8 ones oneDNN's int8 GEMM): %s", done.stderr.strip()[-2000:])
                 return None
             os.replace(tmp_lib, lib_path)
     lib = ctypes.CDLL(str(lib_path))
@@ -90,12 +91,12 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """True where the w4a8 kernel is built and loads on this CPU."""
+    """True where the native kernels (w4a8, w8a8) are built and load on this CPU."""
     return _library() is not None
 
 
 def supports(out_features: int, in_features: int, group_size: int) -> bool:
-    """The shapes the kernel takes: N a multiple of 16, K of 32, the group a multiple of 32 dividing K."""
+    """The shapes the w4a8 kernel takes: N a multiple of 16, K of 32, the group a multiple of 32 dividing K."""
     return out_features % TILE_N == 0 and in_features % BLOCK_K == 0 and group_size % BLOCK_K == 0 and (
         in_features % group_size == 0)
 
@@ -129,7 +130,8 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tup
 
 def _kernel_io(x: torch.Tensor, n: int, out_dtype: torch.dtype | None, bias: torch.Tensor | None) -> tuple:
     """What a native kernel call takes: ``x`` as fp32 or bf16 (other dtypes through fp32), contiguous; the output
-    ``[M, n]`` in fp32 or bf16 (``out_dtype`` if it is one of them, else fp32: cast after); the bias as fp32."""
+    ``[M, n]`` in fp32 or bf16 (``out_dtype`` if it is one of them, else fp32: cast after); the bias as fp32
+    (``QuantizedLinear`` passes one converted at prepare time, so this is no copy on its path)."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         x = x.float()
     out_dtype = out_dtype or torch.float32
