@@ -151,9 +151,9 @@ def check_draft_tensor_parallel(spec: SpeculativeConfig, size: int) -> int:
     if draft not in (1, size):
         raise ValueError(f"draft_tensor_parallel_size must be 1 (the draft on rank 0 only) or the target's "
                          f"tensor_parallel_size ({size}), got {draft}")
-    if size > 1 and spec.method == "eagle3":
-        raise ValueError("method 'eagle3' is not supported with tensor_parallel_size > 1 yet (the head reads the "
-                         "target's hidden states, which are not gathered)")
+    if draft > 1 and spec.method == "eagle3":
+        raise ValueError("an EAGLE-3 head (one decoder layer) runs on rank 0 only: draft_tensor_parallel_size must "
+                         f"be None or 1 with method 'eagle3', got {draft}")
     if size > 1 and spec.draft_model == "self":
         raise ValueError("draft_model='self' shares the target's embedding, which tensor parallelism shards; use a "
                          "separate draft model (or tensor_parallel_size=1)")

@@ -190,7 +190,9 @@ def make_tiny_eagle3_head(
         "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True),
     }
     if with_embed_tokens:
-        tensors["embed_tokens.weight"] = randn(vocab, hidden, std=0.02)
+        # structured: a copy of the target's (drafts as well as a head that shares it); else random
+        tensors["embed_tokens.weight"] = (weights["model.embed_tokens.weight"].clone() if structured
+                                          else randn(vocab, hidden, std=0.02))
     config = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": intermediate_size, "num_hidden_layers": 1,

@@ -45,18 +45,32 @@ class TensorParallelModel:
                  meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         """One forward on every rank: ``input_ids, positions int64 [T]``, this rank's ``kv_cache`` (each ``[L,
         num_blocks, block_size, Hkv / N, D]``), ``meta``, ``logits_indices int64 [N]`` -> fp32 logits ``[N, V]``."""
+        return self._on_every_rank(self.local, input_ids, positions, kv_cache, meta, logits_indices)
+
+    forward = __call__
+
+    def forward_with_aux_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                                logits_indices: torch.Tensor, aux_layers: tuple[int, ...]
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``LlamaForCausalLM.forward_with_aux_hidden`` on every rank (the workers run a plain forward): fp32
+        logits ``[N, V]`` and the hidden states ``[T, len(aux_layers) * hidden]`` entering ``aux_layers``. The
+        residual stream is whole on every rank after each layer's all-reduce, so rank 0's capture is the full
+        hidden state, and it costs no communication."""
+        return self._on_every_rank(self.local.forward_with_aux_hidden, input_ids, positions, kv_cache, meta,
+                                   logits_indices, aux_layers)
+
+    def _on_every_rank(self, local_forward, input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                       logits_indices: torch.Tensor, *extra):
+        """Send the forward's header and payload to the workers, then run ``local_forward`` on rank 0's shard."""
         header, payload = pack_forward(self.model_id, input_ids, positions, meta, logits_indices)
         try:
             self.link.send(header)
             self.link.group.broadcast(payload)
-            return self.local(input_ids, positions, kv_cache, meta, logits_indices)
+            return local_forward(input_ids, positions, kv_cache, meta, logits_indices, *extra)
         except Exception as e:  # noqa: BLE001 - re-raised as the group's failure
             raise _broken(self.link, e) from e
-
-    forward = __call__
-
-    def forward_with_aux_hidden(self, *args, **kwargs):
-        raise TensorParallelError("hidden-state capture (EAGLE-3) is not supported under tensor parallelism")
 
     def modules(self):
         return self.local.modules()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -365,11 +365,12 @@ def read_head_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, 
 
 
 def load_eagle3_head(path: str, dtype: torch.dtype, device: torch.device, max_positions: int,
-                     target: ModelConfig, target_embedding: nn.Embedding,
+                     target: ModelConfig, target_embedding: Callable[[], nn.Embedding],
                      prepack_weights: bool | None = None) -> Eagle3Head:
     """Load the EAGLE-3 head in folder ``path`` to draft for ``target``: config and tensors checked against
     the published layout (``ValueError`` naming what is missing or does not fit), weights in ``dtype`` on
-    ``device``; without its own ``embed_tokens`` it shares ``target_embedding``."""
+    ``device``; without its own ``embed_tokens`` it shares the embedding ``target_embedding()`` returns (called
+    only then: under tensor parallelism it reads the target's whole embedding for rank 0)."""
     config = Eagle3Config.from_json(path)
     config.check_target(target)
     tensors = read_head_tensors(iter_head_weights(path))
@@ -382,7 +383,7 @@ def load_eagle3_head(path: str, dtype: torch.dtype, device: torch.device, max_po
         head.d2t.zero_()
     head.load_published(tensors)
     if head.embed_tokens is None:
-        head.share_embedding(target_embedding)
+        head.share_embedding(target_embedding())
     if prepack_weights is not False and prepack_supported(dtype, torch.device(device)):
         prepack_linears(head, required=prepack_weights is True)
     return head.eval()

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from torch import nn
+
 from specdec.config import EngineConfig, SpeculativeConfig, eos_ids, gguf_source_of
+from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
 from specdec.model.llama import LlamaForCausalLM
-from specdec.model.loader import load_model, resolve_model_path
+from specdec.model.loader import load_model, read_checkpoint_tensor, resolve_model_path
 from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.spec_decode.proposers.base import ModelFreeProposer, Proposer
@@ -72,13 +75,24 @@ def _load_eagle3(config: EngineConfig, spec: SpeculativeConfig, target: LlamaFor
     if spec.draft_dtype:
         dtype = resolve_dtype(spec.draft_dtype, Eagle3Config.from_json(path).layer, config.device)
     max_positions = config.max_model_len  # rotary tables: the head writes positions below max_model_len
-    head = load_eagle3_head(path, dtype, config.device, max_positions + 1, config.model_config, target.embed_tokens,
+    head = load_eagle3_head(path, dtype, config.device, max_positions + 1, config.model_config,
+                            lambda: _embedding_for_head(config, target),
                             False if config.prepack_weights is False else None)
     aux_layers = head.config.aux_layers(config.model_config.num_hidden_layers)
     return Eagle3Proposer(head, aux_layers, config.num_kv_blocks, config.block_size, dtype, config.device,
                           max_positions, tree_shape=_tree_shape(spec),
                           noise_per_round=spec.verify == "block",  # fresh drafts every round (block_verify.py)
                           timer=timer, on_forward=on_forward)
+
+
+def _embedding_for_head(config: EngineConfig, target: LlamaForCausalLM) -> nn.Embedding:
+    """The embedding an EAGLE-3 head without its own shares: the target's; under tensor parallelism (a
+    vocabulary-parallel embedding, whose lookup is a collective) a whole copy read from the target's checkpoint for
+    the head on rank 0 - ``V * hidden`` elements more on rank 0 (docs/tensor_parallel.md)."""
+    if not isinstance(target.embed_tokens, VocabParallelEmbedding):
+        return target.embed_tokens
+    weight = read_checkpoint_tensor(config.model_path, "model.embed_tokens.weight")  # (V, hidden)
+    return nn.Embedding.from_pretrained(weight.to(config.device, config.dtype), freeze=True)
 
 
 def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,
