@@ -9,18 +9,26 @@ checkpoint: the parts of a linear (q/k/v, gate/up) are gathered until complete, 
 ``QuantizedLinear`` and freed. With a GGUF source, a Q4_0 / Q4_1 / Q8_0 tensor whose format maps exactly onto the
 scheme asked for (int4 / int8 with group 32) is taken from the GGUF blocks unchanged (gguf_blocks.py); other
 tensors are quantised from their dequantised values.
+
+Under tensor parallelism (a model built with ``group=``) each rank quantises its own shard: every linear's slice
+(``ShardLayout.slice_of``: rows of q/k/v, gate/up and the LM head, columns of o_proj and down_proj) is read and
+quantised alone - the same per-row groups as the one-process quantisation, since an int4 / grouped int8 group never
+straddles a shard boundary (``sharding.check_quantized_tensor_parallel``); per-channel int8 scales are the shard's
+own (the max over the rank's columns of the row, docs/tensor_parallel.md). Kept GGUF blocks are sliced the same
+way (``_KeptBlocks``: whole 32-wide blocks). The last LM-head shard's padding rows are zero rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from specdec.model.linear import Linear
 from specdec.model.quant.formats import dequantize, quantize_int4, quantize_int8
-from specdec.model.quant.gguf_blocks import kept_scheme, read_blocks, unpermute_rows
+from specdec.model.quant.gguf_blocks import BLOCK, kept_scheme, read_blocks, unpermute_rows
 from specdec.model.quant.linear import DEFAULT_GROUP_SIZE, QuantizedLinear
 from specdec.model.safetensors_reader import TensorEntry
 
@@ -34,6 +42,45 @@ class _Pending(nn.Module):
         self.shape = (linear.out_features, linear.in_features)
         self.num_parts = num_parts
         self.parts: dict[int, tuple] = {}  # shard -> ("dense", fp32 rows) | ("kept", q, scale, offset)
+
+
+@dataclass(frozen=True)
+class _KeptBlocks:
+    """A GGUF tensor kept quantised (``q`` int8 ``[N, K]`` or packed uint8 ``[N, K // 2]``, ``scale`` / ``offset``
+    fp32 ``[N, K // 32]``; no offset for int8) that a tensor-parallel rank narrows like a checkpoint tensor
+    (``ShardLayout.slice_of``): rows, or columns in whole 32-wide blocks."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.scale.shape[1] * BLOCK
+
+    def narrow(self, dim: int, start: int, length: int) -> _KeptBlocks:
+        if dim == 0:
+            return _KeptBlocks(*(t.narrow(0, start, length) if t is not None else None
+                                 for t in (self.q, self.scale, self.offset)))
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(f"columns [{start}, {start + length}) cut a GGUF block of {BLOCK}")
+        per_byte = 2 if self.offset is not None else 1  # int4: two columns per byte
+        return _KeptBlocks(self.q.narrow(1, start // per_byte, length // per_byte),
+                           *(t.narrow(1, start // BLOCK, length // BLOCK) if t is not None else None
+                             for t in (self.scale, self.offset)))
+
+
+def _pad_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, rows: int) -> tuple:
+    """``(q, scale, offset)`` with zero rows appended up to ``rows`` (what quantising zero rows gives: q 0, scale 1,
+    offset 0): the padding of the last rank's LM-head shard."""
+    extra = rows - q.shape[0]
+    if extra <= 0:
+        return q, scale, offset
+
+    def pad(t: torch.Tensor | None, value: float) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+
+    return pad(q, 0), pad(scale, 1.0), pad(offset, 0.0)
 
 
 def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntry]], quantization: str,
@@ -68,6 +115,7 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     gguf = _GGUFKept(gguf_path, model.config, quantization, group) if gguf_path and quantization else None
+    layout = model.layout  # a tensor-parallel rank's shard, or the whole model
     counts = {"kept": 0, "quantized": 0}
 
     def finish(name: str, p: _Pending) -> None:
@@ -79,12 +127,15 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
             counts["kept"] += 1
         else:
             w = torch.cat([t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[3] is None else 4)
-                           for t in ordered])  # (N, K) fp32, one module
+                           for t in ordered])  # (N, K) fp32, one module (this rank's shard of it)
+            if w.shape[0] > p.shape[0] or w.shape[1] != p.shape[1]:
+                raise ValueError(f"checkpoint weights of {name} have shape {tuple(w.shape)}, expected {p.shape}")
             if group is not None and w.shape[1] % group:
                 raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {w.shape[1]}")
             q, scale, offset = _quantize_rows_in_chunks(w, quantization, group)
             del w
             counts["quantized"] += 1
+        q, scale, offset = _pad_rows(q, scale, offset, p.shape[0])  # the last LM-head shard's padding rows
         bias = p.bias.detach() if p.bias is not None else None
         ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
                              8 if quantization == "int8" else 4, bias)
@@ -104,9 +155,11 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
             p = pending[module_name]
             kept = gguf.read(hf_name) if gguf is not None else None
             if kept is not None:
-                p.parts[shard] = ("kept", *kept)
+                kept = layout.slice_of(hf_name, _KeptBlocks(*kept))  # this rank's rows / blocks
+                p.parts[shard] = ("kept", kept.q, kept.scale, kept.offset)
             else:
-                dense = source.read() if isinstance(source, TensorEntry) else source
+                piece = layout.slice_of(hf_name, source)  # this rank's rows / columns (the whole tensor at size 1)
+                dense = piece if isinstance(piece, torch.Tensor) else piece.read()
                 p.parts[shard] = ("dense", dense.float())
             if len(p.parts) == p.num_parts:
                 finish(module_name, pending.pop(module_name))
