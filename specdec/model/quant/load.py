@@ -1,5 +1,6 @@
 """Quantise while loading: each linear is built, quantised and its full-precision rows dropped one module at a time,
-so no full-precision copy of the model is ever held (peak: the quantised model + one fused fp32 weight).
+so no full-precision copy of the model is ever held (peak: the quantised model + one fused fp32 weight; a linear of
+one checkpoint tensor - o_proj, down_proj, an untied LM head - is read and quantised a chunk of rows at a time).
 
 ``load_quantized`` takes a ``LlamaForCausalLM`` still on the ``meta`` device, puts a placeholder where each linear
 to quantise goes (every ``Linear``; by default not an LM head tied to the embedding, which stays unquantised since
@@ -20,6 +21,7 @@ way (``_KeptBlocks``: whole 32-wide blocks). The last LM-head shard's padding ro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -30,7 +32,7 @@ from specdec.model.linear import Linear
 from specdec.model.quant.formats import dequantize, quantize_int4, quantize_int8
 from specdec.model.quant.gguf_blocks import BLOCK, kept_scheme, read_blocks, unpermute_rows
 from specdec.model.quant.linear import DEFAULT_GROUP_SIZE, QuantizedLinear
-from specdec.model.safetensors_reader import TensorEntry
+from specdec.model.safetensors_reader import TensorEntry, TensorSlice
 
 
 class _Pending(nn.Module):
@@ -41,7 +43,8 @@ class _Pending(nn.Module):
         self.bias = linear.bias
         self.shape = (linear.out_features, linear.in_features)
         self.num_parts = num_parts
-        self.parts: dict[int, tuple] = {}  # shard -> ("dense", fp32 rows) | ("kept", q, scale, offset)
+        # shard -> ("dense", fp32 rows) | ("kept", q, scale, offset) | ("file", a checkpoint tensor / row slice of one)
+        self.parts: dict[int, tuple] = {}
 
 
 @dataclass(frozen=True)
@@ -126,14 +129,24 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
             offset = torch.cat([t[3] for t in ordered]) if ordered[0][3] is not None else None
             counts["kept"] += 1
         else:
-            w = torch.cat([t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[3] is None else 4)
-                           for t in ordered])  # (N, K) fp32, one module (this rank's shard of it)
-            if w.shape[0] > p.shape[0] or w.shape[1] != p.shape[1]:
-                raise ValueError(f"checkpoint weights of {name} have shape {tuple(w.shape)}, expected {p.shape}")
-            if group is not None and w.shape[1] % group:
-                raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {w.shape[1]}")
-            q, scale, offset = _quantize_rows_in_chunks(w, quantization, group)
-            del w
+            if kinds == {"file"}:  # one tensor, read a chunk of rows at a time (an LM head's fp32 rows: V x hidden)
+                piece = ordered[0][1]
+                shape = tuple(piece.shape)
+                rows_of = functools.partial(_read_rows, piece)
+            else:
+                dense = [t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[3] is None else 4)
+                         for t in ordered]
+                w = dense[0] if len(dense) == 1 else torch.cat(dense)  # (N, K) fp32, this rank's shard of one module
+                del dense
+                shape = tuple(w.shape)
+                rows_of = functools.partial(_rows, w)
+                del w
+            if shape[0] > p.shape[0] or shape[1] != p.shape[1]:
+                raise ValueError(f"checkpoint weights of {name} have shape {shape}, expected {p.shape}")
+            if group is not None and shape[1] % group:
+                raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {shape[1]}")
+            q, scale, offset = _quantize_rows_in_chunks(rows_of, shape[0], quantization, group)
+            rows_of = None  # drops the module's fp32 rows
             counts["quantized"] += 1
         q, scale, offset = _pad_rows(q, scale, offset, p.shape[0])  # the last LM-head shard's padding rows
         bias = p.bias.detach() if p.bias is not None else None
@@ -159,8 +172,11 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
                 p.parts[shard] = ("kept", kept.q, kept.scale, kept.offset)
             else:
                 piece = layout.slice_of(hf_name, source)  # this rank's rows / columns (the whole tensor at size 1)
-                dense = piece if isinstance(piece, torch.Tensor) else piece.read()
-                p.parts[shard] = ("dense", dense.float())
+                if p.num_parts == 1 and _reads_rows(piece):
+                    p.parts[shard] = ("file", piece)  # read while quantising, a chunk of rows at a time
+                else:
+                    dense = piece if isinstance(piece, torch.Tensor) else piece.read()
+                    p.parts[shard] = ("dense", dense.float())
             if len(p.parts) == p.num_parts:
                 finish(module_name, pending.pop(module_name))
 
@@ -169,7 +185,8 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
         raise ValueError(f"checkpoint is missing linear weights: {sorted(pending)[:8]}")
     if tied and quantize_lm_head and quantization is not None:
         embedding = model.embed_tokens.weight.detach()  # (V, H) in dtype: quantised a chunk of rows at a time
-        q, scale, offset = _quantize_rows_in_chunks(embedding, quantization, group)
+        q, scale, offset = _quantize_rows_in_chunks(functools.partial(_rows, embedding), embedding.shape[0],
+                                                    quantization, group)
         head = QuantizedLinear(q, scale, offset, 8 if quantization == "int8" else 4)
         head.prepare(device, cpu_path)
         model.lm_head = head
@@ -182,15 +199,33 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
 _CHUNK_ROWS = 2048  # rows quantised at a time: per-row schemes, so chunking is exact and caps the temporaries
 
 
-def _quantize_rows_in_chunks(w: torch.Tensor, quantization: str, group: int | None) -> tuple:
-    """``quantize_int8`` / ``quantize_int4`` of ``w [N, K]``, ``_CHUNK_ROWS`` rows at a time (same result: every
-    scale belongs to one row), so the fp32 temporaries stay small beside the module's weight."""
+def _quantize_rows_in_chunks(rows_of, num_rows: int, quantization: str, group: int | None) -> tuple:
+    """``quantize_int8`` / ``quantize_int4`` of a weight ``[num_rows, K]``, ``_CHUNK_ROWS`` rows at a time (same
+    result: every scale belongs to one row), so the fp32 temporaries stay small beside the module's weight.
+    ``rows_of(start, n)``: rows ``[start, start + n)`` (a view of a tensor in memory, or read from the file)."""
     parts = []
-    for start in range(0, w.shape[0], _CHUNK_ROWS):
-        chunk = w[start : start + _CHUNK_ROWS].float()  # (<= _CHUNK_ROWS, K) fp32
+    for start in range(0, num_rows, _CHUNK_ROWS):
+        chunk = rows_of(start, min(_CHUNK_ROWS, num_rows - start)).float()  # (<= _CHUNK_ROWS, K) fp32
         parts.append((*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group))
     q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return q, scale, torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
+
+
+def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return w[start : start + n]
+
+
+def _reads_rows(piece) -> bool:
+    """``piece`` (a checkpoint tensor or a rank's slice of one) can be read a chunk of rows at a time: a whole
+    ``TensorEntry`` or a row slice (a column slice reads whole rows of the file for its columns anyway)."""
+    return isinstance(piece, TensorEntry) or (isinstance(piece, TensorSlice) and piece.dim == 0)
+
+
+def _read_rows(piece: TensorEntry | TensorSlice, start: int, n: int) -> torch.Tensor:
+    """Rows ``[start, start + n)`` of ``piece`` (``_reads_rows``), read from the file in the stored dtype."""
+    if isinstance(piece, TensorEntry):
+        return piece.narrow(0, start, n).read()
+    return TensorSlice(piece.entry, 0, piece.start + start, n).read()
 
 
 def _release_freed_heap() -> None:
