@@ -8,7 +8,7 @@ Tolerances (every forward's logits against ``LLM(quantization=...)`` with one pr
   of 32 inputs, which the shards do not cut either - only the all-reduce's summation order differs: 1e-4.
 - per-channel int8 ("w8a8"): each rank's scales are the max over its own columns of a row, and w8a8 quantises
   its activations per row of the rank's shard, so TP=2 is a slightly different (no worse) quantisation; measured
-  0.2-1.3% of the logits' range on these models: 5% of it.
+  0.02-1.3% of the logits' range on these models: 5% of it.
 A shard quantised from the wrong columns (one group off) or a rank that drops an all-reduce's result fails both.
 """
 
@@ -34,7 +34,7 @@ CASES = {
     "llama-tied-kv1/int8": ("llama-tied-kv1", "int8", None, None, "w8a8"),
     "qwen2-untied-kv4/int8": ("qwen2-untied-kv4", "int8", None, None, "w8a8"),
 }
-W8A8_TOLERANCE = 0.05  # of the largest |logit|
+W8A8_TOLERANCE = 0.05  # of the largest |logit| (measured: 0.02-1.3%)
 
 
 @pytest.fixture(scope="module")

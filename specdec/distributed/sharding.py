@@ -70,7 +70,7 @@ def check_quantized_tensor_parallel(config: ModelConfig, size: int, quantization
     shown = ", ".join(map(str, allowed[-12:])) or "none"
     per_channel = "; or None (per channel)" if quantization == "int8" else ""
     raise ValueError(f"{option}={group} does not divide the {what}'s "
-                     f"{', '.join(f'{n} ({w})' for n, w in bad.items())} under tensor_parallel_size={size}: a "
+                     f"{', '.join(f'{n} ({w})' for n, w in bad.items())} under tensor_parallel_size={size}: an "
                      f"{quantization} group must not straddle a shard boundary; allowed: a divisor of {common} "
                      f"({shown}){per_channel}")
 

@@ -202,13 +202,19 @@ _CHUNK_ROWS = 2048  # rows quantised at a time: per-row schemes, so chunking is 
 def _quantize_rows_in_chunks(rows_of, num_rows: int, quantization: str, group: int | None) -> tuple:
     """``quantize_int8`` / ``quantize_int4`` of a weight ``[num_rows, K]``, ``_CHUNK_ROWS`` rows at a time (same
     result: every scale belongs to one row), so the fp32 temporaries stay small beside the module's weight.
-    ``rows_of(start, n)``: rows ``[start, start + n)`` (a view of a tensor in memory, or read from the file)."""
-    parts = []
+    ``rows_of(start, n)``: rows ``[start, start + n)`` (a view of a tensor in memory, or read from the file).
+    Each chunk's result is written into outputs allocated once (no concatenated copy of the quantised weight)."""
+    out: list[torch.Tensor | None] | None = None  # q, scale, offset (None for int8)
     for start in range(0, num_rows, _CHUNK_ROWS):
-        chunk = rows_of(start, min(_CHUNK_ROWS, num_rows - start)).float()  # (<= _CHUNK_ROWS, K) fp32
-        parts.append((*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group))
-    q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return q, scale, torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
+        n = min(_CHUNK_ROWS, num_rows - start)
+        chunk = rows_of(start, n).float()  # (n, K) fp32
+        part = (*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group)
+        if out is None:
+            out = [None if t is None else t.new_empty((num_rows, *t.shape[1:])) for t in part]
+        for dest, t in zip(out, part):
+            if dest is not None:
+                dest[start : start + n] = t
+    return tuple(out)
 
 
 def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
