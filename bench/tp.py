@@ -5,6 +5,7 @@ rank's memory while loading (issue 20).
                        [--prompts code,prose] [--prompts-per-class 1] [--max-tokens 40] [--reps 2]
     python -m bench.tp --collectives-only      # the gloo collectives alone (2 ranks x 1 thread)
     python -m bench.tp --memory-only           # peak RSS per rank while loading the target, TP=1 and TP=2
+    python -m bench.tp --quantization int8 --draft-quantization int4   # quantised target / draft, every config
 
 Decode configurations: ``plain`` and ``spec`` (the draft model, sharded over the same ranks, fixed k) crossed with
 ``tp1x1`` (1 rank x 1 thread), ``tp1x2`` (1 rank x 2 threads) and ``tp2x1`` (2 ranks x 1 thread each: rank 0 and
@@ -24,7 +25,9 @@ the model's dtype, the payload broadcast (int64) and the fp32 logits gather of `
 
 ``--memory-only`` (also part of a full run) loads the target alone with TP=1 and TP=2 in fresh processes and
 reports each rank's peak RSS (``VmHWM``), its RSS before loading (torch and specdec imported: the runtime), the
-bytes of its parameters and packed copies, and the share it should hold (its slices plus the replicated norms).
+bytes of its parameters and packed copies (a quantised linear's: what its CPU path holds), and the share it should
+hold in ``--dtype`` (its slices plus the replicated norms). ``--quantization`` / ``--draft-quantization`` quantise
+the target / the draft in every run (memory runs included; the results file's name says so).
 
 The machine is shared (2 cores, other jobs): the load average is recorded at start and after every run.
 Results: ``bench/out/tp_<target>_<draft>_k<K>.json`` (``--record``: ``bench/results/``).
@@ -114,9 +117,10 @@ def run_one(args) -> dict:
     target = resolve_model(args.target)
     spec = None
     if decode == "spec":
-        spec = specdec.SpeculativeConfig(draft_model=resolve_model(args.draft), num_speculative_tokens=args.k)
+        spec = specdec.SpeculativeConfig(draft_model=resolve_model(args.draft), num_speculative_tokens=args.k,
+                                         draft_quantization=args.draft_quantization)
     llm = specdec.LLM(target, dtype=args.dtype, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                      speculative=spec, tensor_parallel_size=ranks)
+                      speculative=spec, tensor_parallel_size=ranks, quantization=args.quantization)
     engine = llm.engine
     steps = [0]
     step = engine.step
@@ -234,12 +238,15 @@ def memory_one(args) -> dict:
     target = resolve_model(args.target)
     before_kb = proc_status_kb("self", "VmRSS")
     llm = specdec.LLM(target, dtype=args.dtype, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                      tensor_parallel_size=ranks, prepack_weights=args.memory_prepack)
+                      tensor_parallel_size=ranks, prepack_weights=args.memory_prepack, quantization=args.quantization)
     engine = llm.engine
     model = engine.workers.shards[0][0].local if engine.workers is not None else engine.model
     pool = engine.pool
     held = 0
     for m in model.modules():
+        if hasattr(m, "held_bytes"):  # a QuantizedLinear: its CPU path's copies (or quantised tensors) and bias
+            held += m.held_bytes()
+            continue
         for p in m.parameters(recurse=False):
             if p.device.type != "meta":
                 held += p.numel() * p.element_size()
@@ -275,7 +282,7 @@ def memory_one(args) -> dict:
     llm.shutdown()
     return {"ranks": ranks, "rss_before_load_kB": before_kb, "rank0_held_bytes": held,
             "pool_bytes_per_rank": pool_bytes, "shares": shares, "per_rank": ranks_out,
-            "prepack_weights": args.memory_prepack}
+            "prepack_weights": args.memory_prepack, "quantization": args.quantization}
 
 
 # --- the parent: interleaved runs --------------------------------------------------------------------------
@@ -350,6 +357,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-only", action="store_true")
     parser.add_argument("--memory-prepack", type=lambda s: {"none": None, "true": True, "false": False}[s.lower()],
                         default=None, help="prepack_weights for the memory runs: none (default), true, false")
+    parser.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                        help="the target's LLM(quantization=) in every configuration (default: none)")
+    parser.add_argument("--draft-quantization", choices=("int8", "int4"), default=None,
+                        help="the draft's SpeculativeConfig(draft_quantization=) (default: none)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--memory-one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--one-out", help=argparse.SUPPRESS)
@@ -381,14 +392,15 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             payload["memory"] = [child(child_argv, ["--memory-one", str(n)], tmp) for n in (1, 2)]
         rows = [[m["ranks"], r["rank"], r["VmHWM_kB"] / 2**20, r["RssAnon_kB"] / 2**20, m["rss_before_load_kB"] / 2**20,
-                 m["shares"][r["rank"]]["checkpoint_share_bytes"] / 2**30]
+                 m["shares"][r["rank"]]["checkpoint_share_bytes"] / 2**30, m["rank0_held_bytes"] / 2**30]
                 for m in payload["memory"] for r in m["per_rank"]]
         print_table(rows, ["TP", "rank", "peak RSS GiB", "RssAnon now GiB", "rank0 RSS before load GiB",
-                           "share GiB"])
+                           f"share GiB ({args.dtype})", "rank 0 holds GiB"])
     meta["load_average_at_end"] = os.getloadavg()
     suffix = "collectives" if args.collectives_only else "memory" if args.memory_only else f"k{args.k}"
     if args.memory_only and args.memory_prepack is not None:
         suffix += f"_prepack-{str(args.memory_prepack).lower()}"
+    suffix += "".join(f"_{what}-{q}" for what, q in (("q", args.quantization), ("dq", args.draft_quantization)) if q)
     path = write_json(f"tp_{slug(args.target)}_{slug(args.draft)}_{suffix}", payload, args.record)
     print(f"wrote {path}")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache.kv_pool import KVPool
-from specdec.distributed.sharding import ShardLayout, check_tensor_parallel
+from specdec.distributed.sharding import ShardLayout, check_quantized_tensor_parallel, check_tensor_parallel
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import available_memory_bytes, check_prepack_option
 from specdec.model.loader import resolve_model_path
@@ -88,10 +88,12 @@ class EngineConfig:
             raise ValueError(f"enforce_eager must be True or False, got {enforce_eager!r}")
         check_quantization(quantization, quantization_group_size)
         check_quantize_lm_head(quantize_lm_head, quantization)
-        _check_tensor_parallel_options(tensor_parallel_size, distributed_timeout_s, dev, quantization)
+        _check_tensor_parallel_options(tensor_parallel_size, distributed_timeout_s, dev)
         path = resolve_model_path(model)
         model_config = ModelConfig.from_json(path)
         check_tensor_parallel(model_config, tensor_parallel_size, "target")
+        check_quantized_tensor_parallel(model_config, tensor_parallel_size, quantization, quantization_group_size,
+                                        "target")
         torch_dtype = resolve_dtype(dtype, model_config, dev)
         check_prepack_option(prepack_weights, torch_dtype, dev)
         limit = model_config.max_position_embeddings
@@ -126,8 +128,7 @@ class EngineConfig:
         return gguf_source_of(self.model, self.model_path)
 
 
-def _check_tensor_parallel_options(size: object, timeout_s: object, device: torch.device,
-                                   quantization: str | None) -> None:
+def _check_tensor_parallel_options(size: object, timeout_s: object, device: torch.device) -> None:
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
@@ -137,8 +138,6 @@ def _check_tensor_parallel_options(size: object, timeout_s: object, device: torc
     if device.type == "cuda" and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices (one per rank), but torch sees "
                          f"{torch.cuda.device_count()}; allowed: 1..{torch.cuda.device_count()}")
-    if quantization is not None:
-        raise ValueError("quantization is not supported with tensor_parallel_size > 1 yet; use one or the other")
 
 
 def check_draft_tensor_parallel(spec: SpeculativeConfig, size: int) -> int:
@@ -154,12 +153,17 @@ def check_draft_tensor_parallel(spec: SpeculativeConfig, size: int) -> int:
     if draft > 1 and spec.method == "eagle3":
         raise ValueError("an EAGLE-3 head (one decoder layer) runs on rank 0 only: draft_tensor_parallel_size must "
                          f"be None or 1 with method 'eagle3', got {draft}")
-    if size > 1 and spec.draft_model == "self":
-        raise ValueError("draft_model='self' shares the target's embedding, which tensor parallelism shards; use a "
-                         "separate draft model (or tensor_parallel_size=1)")
-    if draft > 1 and spec.draft_quantization is not None:
-        raise ValueError("a quantised draft must run on rank 0 only: use draft_tensor_parallel_size=1")
     return draft
+
+
+def draft_model_dtype(spec: SpeculativeConfig, draft_config: ModelConfig, config: EngineConfig) -> torch.dtype:
+    """The draft model's dtype: ``spec.draft_dtype`` resolved, else the target's. ``ValueError`` for a
+    ``draft_model="self"`` draft in another dtype than the target's: it shares the target's embedding."""
+    dtype = resolve_dtype(spec.draft_dtype, draft_config, config.device) if spec.draft_dtype else config.dtype
+    if spec.draft_model == "self" and dtype != config.dtype:
+        raise ValueError(f"draft_model='self' shares the target's embedding, so draft_dtype must be the target's "
+                         f"({config.dtype}), got {dtype}")
+    return dtype
 
 
 def gguf_source_of(model: str, model_path: str) -> str | None:
@@ -300,7 +304,9 @@ class SpeculativeConfig:
             every round while the batch is small enough (the depth is k_eff; not with ``adaptive=True``).
         draft_tensor_parallel_size: under ``LLM(tensor_parallel_size=N)``, the draft model sharded over the same N
             ranks (N; the default for a draft model) or run on rank 0 only (1); anything else is refused
-            (docs/tensor_parallel.md).
+            (docs/tensor_parallel.md). Quantised drafts and ``draft_model="self"`` shard too: each rank's self
+            draft shares that rank's target embedding shard; a self draft on rank 0 only loads the full embedding
+            there (it cannot share a shard).
     """
 
     method: str = "draft_model"

@@ -48,7 +48,9 @@ class LLM:
         tensor_parallel_size: shard the target (and, by default, a draft model: ``SpeculativeConfig.
             draft_tensor_parallel_size``) over this many ranks - this process and N - 1 worker processes it
             spawns, gloo on CPU, NCCL on CUDA (one GPU per rank); docs/tensor_parallel.md. Call ``shutdown()`` (or
-            use the LLM as a context manager) to stop the workers; they are also stopped at exit.
+            use the LLM as a context manager) to stop the workers; they are also stopped at exit. With
+            ``quantization`` each rank quantises its own shard; int4 / grouped int8 groups must not straddle a shard
+            boundary (``ValueError`` naming the allowed group sizes).
         distributed_timeout_s: the longest one collective waits for a worker: a worker that dies ends the
             in-flight requests with ``finish_reason "error"`` at once, one that hangs after this many seconds.
     """

@@ -99,10 +99,14 @@ def test_speculative_sampling_is_lossless_under_tp(tmp_path):
 @pytest.mark.parametrize("kwargs,spec,match", [
     ({"tensor_parallel_size": 3}, None, "must divide num_attention_heads"),
     ({"tensor_parallel_size": 0}, None, "integer >= 1"),
-    ({"tensor_parallel_size": 2, "quantization": "int8"}, None, "quantization is not supported"),
+    ({"tensor_parallel_size": 2, "quantization": "int4", "quantization_group_size": 64}, None,
+     r"quantization_group_size=64 .* o_proj's input per rank \(32\).* allowed: a divisor of 32 \(2, 4, 8, 16, 32\)"),
     ({"tensor_parallel_size": 2, "distributed_timeout_s": 0}, None, "distributed_timeout_s"),
     ({"tensor_parallel_size": 2}, {"draft_tensor_parallel_size": 3}, "must be 1 .* or the target's"),
-    ({"tensor_parallel_size": 2}, {"draft_model": "self"}, "draft_model='self'"),
+    ({"tensor_parallel_size": 2}, {"draft_quantization": "int4", "draft_quantization_group_size": 64},
+     "draft_quantization_group_size=64 does not divide the draft model's"),
+    ({"tensor_parallel_size": 2}, {"draft_model": "self", "draft_dtype": "bfloat16"},
+     "draft_dtype must be the target's"),
 ])
 def test_bad_configurations_are_refused(pair, kwargs, spec, match):
     speculative = None

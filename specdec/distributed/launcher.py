@@ -21,8 +21,7 @@ import torch.multiprocessing as mp
 from specdec.distributed.comm import TensorParallelError, TPGroup
 from specdec.distributed.driver import DriverKVPool, TensorParallelModel
 from specdec.distributed.payload import CompactHeader, ForwardHeader
-from specdec.distributed.worker import CONNECT, SHUTDOWN, ModelSpec, WorkerSpec, run_worker
-from specdec.model.loader import load_model
+from specdec.distributed.worker import CONNECT, SHUTDOWN, ModelSpec, WorkerSpec, load_shard_model, run_worker
 
 STARTUP_POLL_S = 0.5  # how often start-up checks that a loading worker is still alive (a blocking wait, not a spin)
 SHUTDOWN_GRACE_S = 5.0  # how long a healthy worker gets to exit before it is killed
@@ -65,8 +64,10 @@ class TensorParallelWorkers:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
+        locals_: list = []
         for model_id, m in enumerate(models):
-            local = load_model(m.path, m.dtype, device, m.max_positions, m.config, m.prepack_weights, group=self.group)
+            local = load_shard_model(m, self.group, device, locals_)
+            locals_.append(local)
             pool = DriverKVPool(local, model_id, self, m.num_blocks, m.block_size, m.dtype, device)
             self.shards.append((TensorParallelModel(local, model_id, self), pool))
         self._wait_ready(startup_timeout_s)

@@ -13,6 +13,7 @@ reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,35 @@ def check_tensor_parallel(config: ModelConfig, size: int, what: str = "model") -
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_quantized_tensor_parallel(config: ModelConfig, size: int, quantization: str | None,
+                                    group_size: int | None, what: str = "model",
+                                    option: str = "quantization_group_size") -> None:
+    """``ValueError`` naming the allowed group sizes unless ``quantization``'s groups (``group_size``; None: the
+    scheme's default - int8 per channel, int4 32) tile every rank's input widths under ``size`` ranks: the hidden
+    size (q/k/v, gate/up, LM head: whole input rows on every rank) and each rank's share of the row-parallel
+    inputs (o_proj ``Hq * D / size``, down_proj ``intermediate_size / size``). A group may not straddle a shard
+    boundary: each rank quantises its own columns. Per-channel int8 (no group) shards anywhere."""
+    if size == 1 or quantization is None:
+        return
+    group = group_size if group_size is not None else {"int8": None, "int4": 32}[quantization]
+    if group is None:
+        return
+    widths = {"hidden_size": config.hidden_size,
+              "o_proj's input per rank": config.num_attention_heads * config.head_dim // size,
+              "down_proj's input per rank": config.intermediate_size // size}
+    bad = {name: w for name, w in widths.items() if w % group}
+    if not bad:
+        return
+    common = math.gcd(*widths.values())
+    allowed = [d for d in _divisors(common) if d >= 2 and (quantization != "int4" or d % 2 == 0)]
+    shown = ", ".join(map(str, allowed[-12:])) or "none"
+    per_channel = "; or None (per channel)" if quantization == "int8" else ""
+    raise ValueError(f"{option}={group} does not divide the {what}'s "
+                     f"{', '.join(f'{n} ({w})' for n, w in bad.items())} under tensor_parallel_size={size}: an "
+                     f"{quantization} group must not straddle a shard boundary; allowed: a divisor of {common} "
+                     f"({shown}){per_channel}")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,15 @@ CONNECT = "connect"
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One model every rank shards (the target, and the draft under ``draft_tensor_parallel_size == N``)."""
+    """One model every rank shards (the target, and the draft under ``draft_tensor_parallel_size == N``), as
+    ``load_model`` takes it: every rank loads the same description, so rank 0 and the workers hold shards of the
+    same (quantised) model.
+
+    ``quantization`` / ``quantization_group_size`` / ``quantize_lm_head`` / ``gguf_path``: as ``load_model``'s
+    (each rank quantises its own slices). ``shares_embedding_of``: the index (in the engine's list of models) of an
+    earlier model whose embedding shard this one uses instead of reading its own - a ``draft_model="self"`` draft
+    shares the target's on every rank, and its LM head too when tied and not quantised on its own
+    (``quantize_lm_head`` not True), as the one-process self draft does."""
 
     path: str
     config: ModelConfig
@@ -42,6 +50,11 @@ class ModelSpec:
     num_blocks: int
     block_size: int
     prepack_weights: bool | None
+    quantization: str | None = None
+    quantization_group_size: int | None = None
+    quantize_lm_head: bool | None = None
+    gguf_path: str | None = None
+    shares_embedding_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,12 +69,29 @@ class WorkerSpec:
     models: tuple[ModelSpec, ...]
 
 
-def load_shard(spec: ModelSpec, group: TPGroup, device: torch.device) -> tuple[LlamaForCausalLM, KVPool]:
-    """This rank's shard of ``spec``'s model and its KV pool (this rank's kv heads)."""
+def load_shard_model(spec: ModelSpec, group: TPGroup, device: torch.device,
+                     earlier: list[LlamaForCausalLM]) -> LlamaForCausalLM:
+    """This rank's shard of ``spec``'s model (rank 0 and the workers alike); ``earlier``: this rank's shards of
+    the models before it (``spec.shares_embedding_of`` indexes them). No collective: ``group`` may be unconnected."""
+    owner = earlier[spec.shares_embedding_of] if spec.shares_embedding_of is not None else None
     model = load_model(spec.path, spec.dtype, device, spec.max_positions, spec.config, spec.prepack_weights,
-                       group=group)
-    pool = KVPool(spec.config, spec.num_blocks, spec.block_size, spec.dtype, device, model.layout.num_kv_heads)
-    return model, pool
+                       spec.quantization, spec.quantization_group_size, spec.gguf_path,
+                       owner.embed_tokens.weight if owner is not None else None, group=group,
+                       quantize_lm_head=spec.quantize_lm_head)
+    if owner is not None and spec.config.tie_word_embeddings and not spec.quantize_lm_head:
+        model.lm_head = owner.lm_head  # the tied head is the shared embedding's rows (and their packed copy)
+    return model
+
+
+def load_shards(specs: tuple[ModelSpec, ...] | list[ModelSpec], group: TPGroup,
+                device: torch.device) -> list[tuple[LlamaForCausalLM, KVPool]]:
+    """This rank's shard of every model in ``specs`` and its KV pool (this rank's kv heads), in order."""
+    shards: list[tuple[LlamaForCausalLM, KVPool]] = []
+    for spec in specs:
+        model = load_shard_model(spec, group, device, [m for m, _ in shards])
+        pool = KVPool(spec.config, spec.num_blocks, spec.block_size, spec.dtype, device, model.layout.num_kv_heads)
+        shards.append((model, pool))
+    return shards
 
 
 def run_worker(spec: WorkerSpec, conn) -> None:
@@ -73,7 +103,7 @@ def run_worker(spec: WorkerSpec, conn) -> None:
         torch.cuda.set_device(device)
     group = TPGroup(spec.rank, spec.size, device, spec.timeout_s)
     try:
-        shards = [load_shard(m, group, device) for m in spec.models]
+        shards = load_shards(spec.models, group, device)
         conn.send(("ready", None))
         if conn.recv() != CONNECT:
             return

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from specdec.config import EngineConfig, SpeculativeConfig, check_draft_tensor_parallel
+from specdec.config import (
+    EngineConfig,
+    SpeculativeConfig,
+    check_draft_tensor_parallel,
+    draft_model_dtype,
+    gguf_source_of,
+)
 from specdec.distributed.launcher import TensorParallelWorkers
-from specdec.distributed.sharding import check_tensor_parallel
+from specdec.distributed.sharding import check_quantized_tensor_parallel, check_tensor_parallel
 from specdec.distributed.worker import ModelSpec
-from specdec.model.config import ModelConfig, resolve_dtype
+from specdec.model.config import ModelConfig
 from specdec.model.loader import resolve_model_path
 
 
@@ -18,15 +24,27 @@ def start_workers(config: EngineConfig, spec: SpeculativeConfig | None) -> Tenso
     draft_size = check_draft_tensor_parallel(spec, size) if spec is not None else 1
     if size == 1:
         return None
-    prepack = False if config.prepack_weights is False else None
     models = [ModelSpec(config.model_path, config.model_config, config.dtype, config.max_model_len + 1,
-                        config.num_kv_blocks, config.block_size, config.prepack_weights)]
+                        config.num_kv_blocks, config.block_size, config.prepack_weights, config.quantization,
+                        config.quantization_group_size, config.quantize_lm_head, config.gguf_source)]
     if spec is not None and spec.uses_draft_model and draft_size > 1:
-        path = resolve_model_path(spec.draft_model)
-        draft_config = ModelConfig.from_json(path)
-        check_tensor_parallel(draft_config, draft_size, "draft model")
-        dtype = resolve_dtype(spec.draft_dtype, draft_config, config.device) if spec.draft_dtype else config.dtype
-        max_positions = min(draft_config.max_position_embeddings, config.max_model_len)  # as proposers/factory.py
-        models.append(ModelSpec(path, draft_config, dtype, max_positions + 1, config.num_kv_blocks,
-                                config.block_size, prepack))
+        models.append(_draft_spec(config, spec, draft_size))
     return TensorParallelWorkers(size, config.device, config.distributed_timeout_s, models)
+
+
+def _draft_spec(config: EngineConfig, spec: SpeculativeConfig, size: int) -> ModelSpec:
+    """The sharded draft's ``ModelSpec`` (as proposers/factory.py would load it in one process); a ``"self"``
+    draft is the target's checkpoint sharing each rank's target embedding shard (model 0's)."""
+    is_self = spec.draft_model == "self"
+    path = config.model_path if is_self else resolve_model_path(spec.draft_model)
+    draft_config = config.model_config if is_self else ModelConfig.from_json(path)
+    check_tensor_parallel(draft_config, size, "draft model")
+    check_quantized_tensor_parallel(draft_config, size, spec.draft_quantization, spec.draft_quantization_group_size,
+                                    "draft model", "draft_quantization_group_size")
+    dtype = draft_model_dtype(spec, draft_config, config)
+    max_positions = min(draft_config.max_position_embeddings, config.max_model_len)  # as proposers/factory.py
+    gguf = config.gguf_source if is_self else gguf_source_of(spec.draft_model, path)
+    prepack = False if config.prepack_weights is False else None  # its dtype may not support prepacking
+    return ModelSpec(path, draft_config, dtype, max_positions + 1, config.num_kv_blocks, config.block_size, prepack,
+                     spec.draft_quantization, spec.draft_quantization_group_size, spec.draft_quantize_lm_head, gguf,
+                     shares_embedding_of=0 if is_self else None)

@@ -280,13 +280,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | TensorEntry]]) -> None:
         """Load HF-named tensors (in memory, or ``TensorEntry``s read straight into place), each q/k/v and gate/up
         part written into its rows of the fused parameter (no concatenated copy); ``ValueError`` on missing,
-        unknown or mis-shaped ones."""
+        unknown or mis-shaped ones. A source that is the parameter itself (a shared embedding) is taken as is."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         fused_parts: dict[str, set[int]] = {}
         for hf_name, full_source in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
+                continue
+            if params.get(name) is full_source:  # already the parameter: a self draft's shared embedding (shard)
+                loaded.add(name)
                 continue
             source = self.layout.slice_of(hf_name, full_source)  # this rank's share (the whole tensor at size 1)
             if name in ("embed_tokens.weight", "lm_head.weight") and name in params:

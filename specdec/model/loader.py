@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.distributed.comm import TPGroup
+from specdec.distributed.sharding import check_quantized_tensor_parallel
 from specdec.model.config import ModelConfig
 from specdec.model.linear import check_prepack_option, prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
@@ -139,12 +140,15 @@ def load_model(
     this embedding tensor (a self draft shares the target's) instead of reading one. ``group``: load rank
     ``group.rank``'s tensor-parallel shard only - every tensor's slice read straight from its file
     (``ShardLayout.slice_of``, ``TensorSlice``), so a rank never holds more than its share plus the replicated
-    norms (specdec/distributed/sharding.py); not with ``quantization`` or ``shared_embedding``.
+    norms (specdec/distributed/sharding.py); with ``quantization`` each rank quantises its own slices while
+    loading (``ValueError`` where a group would straddle a shard boundary), and ``shared_embedding`` is then this
+    rank's shard of the target's embedding ``[ceil(V / N), hidden]``. ``group`` need not be connected: loading
+    makes no collective.
     """
     check_prepack_option(prepack_weights, dtype, torch.device(device))
     config = config or ModelConfig.from_json(path)
-    if group is not None and (quantization is not None or shared_embedding is not None):
-        raise ValueError("a tensor-parallel shard cannot be quantised or share an embedding (not implemented)")
+    if group is not None:
+        check_quantized_tensor_parallel(config, group.size, quantization, quantization_group_size)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions=max_positions, group=group)
     model = model.to(dtype)  # meta -> meta in dtype (free)

@@ -44,22 +44,24 @@ def write_quantised_gguf(path, arch: str, qtype_name: str, monkeypatch) -> None:
     monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", real_add)
 
 
-def _load(folder, gguf_path, quantization, group=32):
+def _load(folder, gguf_path, quantization, group=32, tp_group=None):
     config = ModelConfig.from_json(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions=64)
+        model = LlamaForCausalLM(config, max_positions=64, group=tp_group)
     counts = load_quantized(model, iter_weight_entries(folder), quantization, group, torch.device("cpu"),
                             torch.float32, cpu_path="weight_only", gguf_path=gguf_path)
     return model, counts
 
 
 def _fused_reference(folder, model) -> dict[str, torch.Tensor]:
-    """Module name -> the converted folder's fp32 weight (gguf's dequantisation), q/k/v and gate/up fused."""
+    """Module name -> the converted folder's fp32 weight (gguf's dequantisation), q/k/v and gate/up fused; ``model``'s
+    tensor-parallel shard of it when it is one."""
     parts: dict[str, dict[int, torch.Tensor]] = {}
     for hf_name, tensor in iter_weights(folder):
         name = hf_name.removeprefix("model.")
         if not name.endswith(LINEAR_SUFFIXES):
             continue
+        tensor = model.layout.slice_of(hf_name, tensor)
         module, shard = name.rsplit(".", 1)[0], 0
         for fragment, (fused, index) in model._FUSED.items():
             if f".{fragment}." in name:
@@ -86,6 +88,27 @@ def test_kept_blocks_dequantise_exactly_like_gguf(tmp_path, monkeypatch, qtype, 
     for name, module in linears.items():
         assert module.group_size == 32
         assert torch.equal(module.dequantize(), reference[name]), name  # un-permuted rows included (llama)
+
+
+@pytest.mark.parametrize("qtype,scheme,arch", [("Q4_1", "int4", "qwen2"), ("Q8_0", "int8", "llama")])
+def test_kept_blocks_are_sliced_per_tensor_parallel_rank(tmp_path, monkeypatch, qtype, scheme, arch):
+    """Under tensor parallelism each rank keeps its slice of the GGUF blocks (rows, or whole 32-wide blocks of
+    columns for o_proj / down_proj): it dequantises exactly to that rank's slice of the converted folder."""
+    from specdec.distributed.comm import TPGroup
+
+    path = tmp_path / "tiny.gguf"
+    write_quantised_gguf(path, arch, qtype, monkeypatch)
+    folder = convert_gguf(path, tmp_path / "hf")
+    for rank in range(2):
+        model, counts = _load(folder, str(path), scheme, tp_group=TPGroup(rank, 2, torch.device("cpu"), 1.0))
+        reference = _fused_reference(folder, model)
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+        assert counts == {"kept": len(linears), "quantized": 0} and set(linears) == set(reference)
+        assert model.layers[0].mlp.down_proj.in_features == 32  # ffn 64 over 2 ranks
+        for name, module in linears.items():
+            w = module.dequantize()
+            rows = reference[name].shape[0]  # the LM head's last shard has a zero padding row
+            assert torch.equal(w[:rows], reference[name]) and not w[rows:].any(), (rank, name)
 
 
 @pytest.mark.parametrize("qtype,scheme,group", [("Q8_0", "int4", 32), ("Q4_1", "int8", None), ("Q4_0", "int4", 64)])

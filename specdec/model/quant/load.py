@@ -1,5 +1,6 @@
 """Quantise while loading: each linear is built, quantised and its full-precision rows dropped one module at a time,
-so no full-precision copy of the model is ever held (peak: the quantised model + one fused fp32 weight).
+so no full-precision copy of the model is ever held (peak: the quantised model + one fused fp32 weight; a linear of
+one checkpoint tensor - o_proj, down_proj, an untied LM head - is read and quantised a chunk of rows at a time).
 
 ``load_quantized`` takes a ``LlamaForCausalLM`` still on the ``meta`` device, puts a placeholder where each linear
 to quantise goes (every ``Linear``; by default not an LM head tied to the embedding, which stays unquantised since
@@ -9,20 +10,29 @@ checkpoint: the parts of a linear (q/k/v, gate/up) are gathered until complete, 
 ``QuantizedLinear`` and freed. With a GGUF source, a Q4_0 / Q4_1 / Q8_0 tensor whose format maps exactly onto the
 scheme asked for (int4 / int8 with group 32) is taken from the GGUF blocks unchanged (gguf_blocks.py); other
 tensors are quantised from their dequantised values.
+
+Under tensor parallelism (a model built with ``group=``) each rank quantises its own shard: every linear's slice
+(``ShardLayout.slice_of``: rows of q/k/v, gate/up and the LM head, columns of o_proj and down_proj) is read and
+quantised alone - the same per-row groups as the one-process quantisation, since an int4 / grouped int8 group never
+straddles a shard boundary (``sharding.check_quantized_tensor_parallel``); per-channel int8 scales are the shard's
+own (the max over the rank's columns of the row, docs/tensor_parallel.md). Kept GGUF blocks are sliced the same
+way (``_KeptBlocks``: whole 32-wide blocks). The last LM-head shard's padding rows are zero rows.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from specdec.model.linear import Linear
 from specdec.model.quant.formats import dequantize, quantize_int4, quantize_int8
-from specdec.model.quant.gguf_blocks import kept_scheme, read_blocks, unpermute_rows
+from specdec.model.quant.gguf_blocks import BLOCK, kept_scheme, read_blocks, unpermute_rows
 from specdec.model.quant.linear import DEFAULT_GROUP_SIZE, QuantizedLinear
-from specdec.model.safetensors_reader import TensorEntry
+from specdec.model.safetensors_reader import TensorEntry, TensorSlice
 
 
 class _Pending(nn.Module):
@@ -33,7 +43,47 @@ class _Pending(nn.Module):
         self.bias = linear.bias
         self.shape = (linear.out_features, linear.in_features)
         self.num_parts = num_parts
-        self.parts: dict[int, tuple] = {}  # shard -> ("dense", fp32 rows) | ("kept", q, scale, offset)
+        # shard -> ("dense", fp32 rows) | ("kept", q, scale, offset) | ("file", a checkpoint tensor / row slice of one)
+        self.parts: dict[int, tuple] = {}
+
+
+@dataclass(frozen=True)
+class _KeptBlocks:
+    """A GGUF tensor kept quantised (``q`` int8 ``[N, K]`` or packed uint8 ``[N, K // 2]``, ``scale`` / ``offset``
+    fp32 ``[N, K // 32]``; no offset for int8) that a tensor-parallel rank narrows like a checkpoint tensor
+    (``ShardLayout.slice_of``): rows, or columns in whole 32-wide blocks."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.scale.shape[1] * BLOCK
+
+    def narrow(self, dim: int, start: int, length: int) -> _KeptBlocks:
+        if dim == 0:
+            return _KeptBlocks(*(t.narrow(0, start, length) if t is not None else None
+                                 for t in (self.q, self.scale, self.offset)))
+        if start % BLOCK or length % BLOCK:
+            raise ValueError(f"columns [{start}, {start + length}) cut a GGUF block of {BLOCK}")
+        per_byte = 2 if self.offset is not None else 1  # int4: two columns per byte
+        return _KeptBlocks(self.q.narrow(1, start // per_byte, length // per_byte),
+                           *(t.narrow(1, start // BLOCK, length // BLOCK) if t is not None else None
+                             for t in (self.scale, self.offset)))
+
+
+def _pad_rows(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, rows: int) -> tuple:
+    """``(q, scale, offset)`` with zero rows appended up to ``rows`` (what quantising zero rows gives: q 0, scale 1,
+    offset 0): the padding of the last rank's LM-head shard."""
+    extra = rows - q.shape[0]
+    if extra <= 0:
+        return q, scale, offset
+
+    def pad(t: torch.Tensor | None, value: float) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+
+    return pad(q, 0), pad(scale, 1.0), pad(offset, 0.0)
 
 
 def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntry]], quantization: str,
@@ -68,6 +118,7 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     gguf = _GGUFKept(gguf_path, model.config, quantization, group) if gguf_path and quantization else None
+    layout = model.layout  # a tensor-parallel rank's shard, or the whole model
     counts = {"kept": 0, "quantized": 0}
 
     def finish(name: str, p: _Pending) -> None:
@@ -78,18 +129,33 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
             offset = torch.cat([t[3] for t in ordered]) if ordered[0][3] is not None else None
             counts["kept"] += 1
         else:
-            w = torch.cat([t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[3] is None else 4)
-                           for t in ordered])  # (N, K) fp32, one module
-            if group is not None and w.shape[1] % group:
-                raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {w.shape[1]}")
-            q, scale, offset = _quantize_rows_in_chunks(w, quantization, group)
-            del w
+            if kinds == {"file"}:  # one tensor, read a chunk of rows at a time (an LM head's fp32 rows: V x hidden)
+                piece = ordered[0][1]
+                shape = tuple(piece.shape)
+                rows_of = functools.partial(_read_rows, piece)
+            else:
+                dense = [t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[3] is None else 4)
+                         for t in ordered]
+                w = dense[0] if len(dense) == 1 else torch.cat(dense)  # (N, K) fp32, this rank's shard of one module
+                del dense
+                shape = tuple(w.shape)
+                rows_of = functools.partial(_rows, w)
+                del w
+            if shape[0] > p.shape[0] or shape[1] != p.shape[1]:
+                raise ValueError(f"checkpoint weights of {name} have shape {shape}, expected {p.shape}")
+            if group is not None and shape[1] % group:
+                raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {shape[1]}")
+            q, scale, offset = _quantize_rows_in_chunks(rows_of, shape[0], quantization, group)
+            rows_of = None  # drops the module's fp32 rows
             counts["quantized"] += 1
+        q, scale, offset = _pad_rows(q, scale, offset, p.shape[0])  # the last LM-head shard's padding rows
         bias = p.bias.detach() if p.bias is not None else None
         ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
                              8 if quantization == "int8" else 4, bias)
         ql.prepare(device, cpu_path)
         _set_module(model, name, ql)
+        if (counts["kept"] + counts["quantized"]) % _TRIM_EVERY == 0:  # glibc keeps freed temporaries otherwise
+            _release_freed_heap()
 
     def rest() -> Iterator[tuple[str, torch.Tensor | TensorEntry]]:
         for hf_name, source in weights:
@@ -104,10 +170,15 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
             p = pending[module_name]
             kept = gguf.read(hf_name) if gguf is not None else None
             if kept is not None:
-                p.parts[shard] = ("kept", *kept)
+                kept = layout.slice_of(hf_name, _KeptBlocks(*kept))  # this rank's rows / blocks
+                p.parts[shard] = ("kept", kept.q, kept.scale, kept.offset)
             else:
-                dense = source.read() if isinstance(source, TensorEntry) else source
-                p.parts[shard] = ("dense", dense.float())
+                piece = layout.slice_of(hf_name, source)  # this rank's rows / columns (the whole tensor at size 1)
+                if p.num_parts == 1 and _reads_rows(piece):
+                    p.parts[shard] = ("file", piece)  # read while quantising, a chunk of rows at a time
+                else:
+                    dense = piece if isinstance(piece, torch.Tensor) else piece.read()
+                    p.parts[shard] = ("dense", dense.float())
             if len(p.parts) == p.num_parts:
                 finish(module_name, pending.pop(module_name))
 
@@ -116,7 +187,8 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
         raise ValueError(f"checkpoint is missing linear weights: {sorted(pending)[:8]}")
     if tied and quantize_lm_head and quantization is not None:
         embedding = model.embed_tokens.weight.detach()  # (V, H) in dtype: quantised a chunk of rows at a time
-        q, scale, offset = _quantize_rows_in_chunks(embedding, quantization, group)
+        q, scale, offset = _quantize_rows_in_chunks(functools.partial(_rows, embedding), embedding.shape[0],
+                                                    quantization, group)
         head = QuantizedLinear(q, scale, offset, 8 if quantization == "int8" else 4)
         head.prepare(device, cpu_path)
         model.lm_head = head
@@ -126,18 +198,43 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     return counts
 
 
+_TRIM_EVERY = 8  # modules quantised between two returns of the freed heap to the OS (each return costs ~0.1 s)
 _CHUNK_ROWS = 2048  # rows quantised at a time: per-row schemes, so chunking is exact and caps the temporaries
 
 
-def _quantize_rows_in_chunks(w: torch.Tensor, quantization: str, group: int | None) -> tuple:
-    """``quantize_int8`` / ``quantize_int4`` of ``w [N, K]``, ``_CHUNK_ROWS`` rows at a time (same result: every
-    scale belongs to one row), so the fp32 temporaries stay small beside the module's weight."""
-    parts = []
-    for start in range(0, w.shape[0], _CHUNK_ROWS):
-        chunk = w[start : start + _CHUNK_ROWS].float()  # (<= _CHUNK_ROWS, K) fp32
-        parts.append((*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group))
-    q, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return q, scale, torch.cat([p[2] for p in parts]) if parts[0][2] is not None else None
+def _quantize_rows_in_chunks(rows_of, num_rows: int, quantization: str, group: int | None) -> tuple:
+    """``quantize_int8`` / ``quantize_int4`` of a weight ``[num_rows, K]``, ``_CHUNK_ROWS`` rows at a time (same
+    result: every scale belongs to one row), so the fp32 temporaries stay small beside the module's weight.
+    ``rows_of(start, n)``: rows ``[start, start + n)`` (a view of a tensor in memory, or read from the file).
+    Each chunk's result is written into outputs allocated once (no concatenated copy of the quantised weight)."""
+    out: list[torch.Tensor | None] | None = None  # q, scale, offset (None for int8)
+    for start in range(0, num_rows, _CHUNK_ROWS):
+        n = min(_CHUNK_ROWS, num_rows - start)
+        chunk = rows_of(start, n).float()  # (n, K) fp32
+        part = (*quantize_int8(chunk, group), None) if quantization == "int8" else quantize_int4(chunk, group)
+        if out is None:
+            out = [None if t is None else t.new_empty((num_rows, *t.shape[1:])) for t in part]
+        for dest, t in zip(out, part):
+            if dest is not None:
+                dest[start : start + n] = t
+    return tuple(out)
+
+
+def _rows(w: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    return w[start : start + n]
+
+
+def _reads_rows(piece) -> bool:
+    """``piece`` (a checkpoint tensor or a rank's slice of one) can be read a chunk of rows at a time: a whole
+    ``TensorEntry`` or a row slice (a column slice reads whole rows of the file for its columns anyway)."""
+    return isinstance(piece, TensorEntry) or (isinstance(piece, TensorSlice) and piece.dim == 0)
+
+
+def _read_rows(piece: TensorEntry | TensorSlice, start: int, n: int) -> torch.Tensor:
+    """Rows ``[start, start + n)`` of ``piece`` (``_reads_rows``), read from the file in the stored dtype."""
+    if isinstance(piece, TensorEntry):
+        return piece.narrow(0, start, n).read()
+    return TensorSlice(piece.entry, 0, piece.start + start, n).read()
 
 
 def _release_freed_heap() -> None:

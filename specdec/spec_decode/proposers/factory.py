@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from specdec.config import EngineConfig, SpeculativeConfig, eos_ids, gguf_source_of
+from specdec.config import EngineConfig, SpeculativeConfig, draft_model_dtype, eos_ids, gguf_source_of
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
@@ -37,7 +37,8 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
         tokenizer: the target's, to check a draft model's vocabulary against (None: the model folder has none).
         timer, on_draft_forward: adaptive k's draft timings (None when adaptive k is off).
         target: the loaded target model (an EAGLE-3 head without its own embedding shares the target's; a
-            ``draft_model="self"`` draft shares its embedding, and its LM head when tied).
+            ``draft_model="self"`` draft shares its embedding, and its LM head when tied - except on rank 0 of a
+            sharded target, where a draft on rank 0 alone reads its own full embedding).
         draft_shard: a tensor-parallel draft already loaded on every rank: rank 0's ``(model, pool)``
             (specdec/distributed/driver.py), used instead of loading the draft here.
     Raises ``ValueError`` when the draft model or head cannot draft for this target (proposers/compat.py,
@@ -106,15 +107,15 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
     if not is_self:
         check_draft_compatible(config.model_config, draft_config, tokenizer, Tokenizer.from_dir(path),
                                config.eos_token_ids, eos_ids(path, draft_config))
-    dtype = resolve_dtype(spec.draft_dtype, draft_config, config.device) if spec.draft_dtype else config.dtype
+    dtype = draft_model_dtype(spec, draft_config, config)
     shared = None
+    # a target sharded over several ranks holds one vocabulary shard of the embedding here: a self draft on rank 0
+    # alone (draft_tensor_parallel_size=1) reads the full embedding (V x hidden in its dtype) instead of sharing
+    share = is_self and shard is None and target_model is not None and target_model.layout.size == 1
     if is_self:
         if target_model is None:
             raise ValueError("draft_model='self' needs the target model to share its embedding with")
-        if dtype != config.dtype:
-            raise ValueError(f"draft_model='self' shares the target's embedding, so draft_dtype must be the target's "
-                             f"({config.dtype}), got {dtype}")
-        shared = target_model.embed_tokens.weight
+        shared = target_model.embed_tokens.weight if share else None
     # the draft writes positions up to max_model_len - 1 at most, like the target
     max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
     if shard is not None:  # sharded over every rank (specdec/engine/tensor_parallel.py loaded it)
@@ -127,7 +128,7 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
                        False if config.prepack_weights is False else None,  # its dtype may not support prepacking
                        spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared,
                        quantize_lm_head=spec.draft_quantize_lm_head)
-    if is_self and draft_config.tie_word_embeddings and not spec.draft_quantize_lm_head:
+    if share and draft_config.tie_word_embeddings and not spec.draft_quantize_lm_head:
         model.lm_head = target_model.lm_head  # the tied head is the embedding's rows (and their packed copy): share
     return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
                               config.model_config.vocab_size, max_positions, tree_shape=_tree_shape(spec),
