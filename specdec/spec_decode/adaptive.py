@@ -37,16 +37,12 @@ gone longest without (ties: the deeper) - so the costs and acceptances of every 
 found short windows slow (on CPU a 2- or 3-row float32 GEMM can cost as much as a 5-row one or more) therefore still
 finds a long k that pays: probing only k = 1 - what this module did before - could never climb out of k = 0 there.
 
-**Optimism.** Choices weigh each chain's expected tokens plus ``optimism`` (1.5) standard errors of that estimate -
-the upper-confidence rule of bandit problems. Each position's acceptance has variance ``r (1 - r) / (n +
-prior_weight)``, with n the rounds that ever reached the position (not decayed); E(k)'s variance follows by the
-delta method, ``sum_j (dE/dr_j)^2 Var(r_j)``. A chain over positions drafted rarely or never looks better than its
-point estimate, so a young request tries the longer chains early (one early rejection cannot park it at a short k,
-as it did when position 2 of a code prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the
-bonus fades as the request's own rounds accumulate. (The previous rule raised every position by one standard error
-at once - a corner of the confidence box, about sqrt(k) standard errors of E(k) - which kept mid- and
-low-acceptance requests trying long chains: 3-5% below the best fixed k in a 64-token simulation, against 2-3% with
-this rule; ``tests/test_adaptive.py``.) Reported acceptances (``position_acceptance``) are the point estimates.
+**Optimism.** Choices weigh each position's acceptance plus ``optimism`` (1) standard errors of its estimate,
+``sqrt(r (1 - r) / (n + prior_weight))`` with n the rounds that ever reached the position (not decayed) - the
+upper-confidence rule of bandit problems. A position drafted rarely or never looks better than its point estimate,
+so a young request tries the longer chains early (one early rejection cannot park it at a short k, as it did when
+position 2 of a code prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as
+the request's own rounds accumulate. Reported acceptances (``position_acceptance``) are the point estimates.
 
 **Exploration** keeps every arm measured while drafting too, so a one-off outlier is washed out rather than avoided
 forever (only the chosen arm is ever timed): every ``explore_every`` (16) decisions of a request that drafts, it
@@ -58,9 +54,7 @@ and near-flat verify costs (the simulation in tests/test_adaptive.py) that is un
 
 from __future__ import annotations
 
-import itertools
 import math
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -99,7 +93,7 @@ class AdaptiveK:
     def __init__(self, k_max: int, cost_model: CostModel, probe_every: int = 16, decay: float = 0.9,
                  prior_accepted: float = 1.0, prior_rejected: float = 1.0, explore_every: int = 16,
                  prior_weight: float = 2.0, tree_nodes: Callable[[int], int] | None = None,
-                 adapt_depth: bool = True, optimism: float = 1.5):
+                 adapt_depth: bool = True, optimism: float = 1.0):
         self.k_max = k_max
         self.cost_model = cost_model
         self.probe_every = probe_every
@@ -109,7 +103,7 @@ class AdaptiveK:
         self.prior_weight = prior_weight  # rounds' worth of the prior in each position's / depth's estimate
         self.tree_nodes = tree_nodes  # depth -> drafted nodes of the configured tree (None: chains only)
         self.adapt_depth = adapt_depth  # False: the depth stays at the cap (tree or chain there, never plain)
-        self.optimism = optimism  # standard errors of E(k) added to it when choosing (0 = none)
+        self.optimism = optimism  # standard errors added to a position's acceptance when choosing (0 = none)
         self._state: dict[int, _RequestState] = {}
         self._requests = 0  # requests seen, for the exploration phase
         self._clock = 0  # decisions made, over all requests
@@ -124,35 +118,29 @@ class AdaptiveK:
             return a / (a + r)
         return (sum(st.accepted) + a) / (sum(st.reached) + a + r)
 
-    def position_acceptance(self, seq_id: int) -> list[float]:
-        """r_j for j = 1..k_max: the probability that draft j is accepted given drafts 1..j-1 were."""
+    def position_acceptance(self, seq_id: int, optimistic: bool = False) -> list[float]:
+        """r_j for j = 1..k_max: the probability that draft j is accepted given drafts 1..j-1 were. ``optimistic``:
+        plus ``optimism`` standard errors of the estimate, ``sqrt(r (1 - r) / (n_j + prior_weight))`` with n_j the
+        rounds that ever reached position j (undecayed), capped at 1 - what choices use (see "Optimism" above)."""
         st = self._state.get(seq_id)
         pooled, w = self.alpha(seq_id), self.prior_weight
         if st is None:
-            return [pooled] * self.k_max
-        return [(acc + w * pooled) / (reach + w) for acc, reach in zip(st.accepted, st.reached)]
+            rates, seen = [pooled] * self.k_max, [0] * self.k_max
+        else:
+            rates = [(acc + w * pooled) / (reach + w) for acc, reach in zip(st.accepted, st.reached)]
+            seen = st.rounds_seen
+        if not optimistic or not self.optimism:
+            return rates
+        return [min(1.0, r + self.optimism * math.sqrt(r * (1.0 - r) / (n + w))) for r, n in zip(rates, seen)]
 
     def expected_tokens(self, seq_id: int, k: int, optimistic: bool = False) -> float:
         """E(k) = 1 + sum_{i=1..k} prod_{j<=i} r_j: tokens a chain round drafting k emits in expectation
-        (``optimistic``: plus ``optimism`` standard errors of the estimate - see "Optimism" above)."""
-        rates = self.position_acceptance(seq_id)[:k]
-        survive = list(itertools.accumulate(rates, operator.mul))  # [k] P(drafts 1..i all accepted)
-        expected = 1.0 + sum(survive)
-        if not optimistic or not self.optimism or k == 0:
-            return expected
-        st = self._state.get(seq_id)
-        seen = st.rounds_seen if st is not None else [0] * self.k_max
-        variance = 0.0
-        for j, r in enumerate(rates):
-            # dE/dr_j = sum_{i >= j} prod_{l <= i, l != j} r_l (computed without dividing by r_j, which may be 0)
-            before = survive[j - 1] if j else 1.0
-            grad, after = 0.0, 1.0
-            for r_l in rates[j + 1 :] + [None]:
-                grad += before * after
-                if r_l is not None:
-                    after *= r_l
-            variance += grad * grad * r * (1.0 - r) / (seen[j] + self.prior_weight)
-        return expected + self.optimism * math.sqrt(variance)
+        (``optimistic``: with the optimistic r_j of ``position_acceptance``)."""
+        total, survive = 1.0, 1.0
+        for r in self.position_acceptance(seq_id, optimistic)[:k]:
+            survive *= r
+            total += survive
+        return total
 
     def expected_tree_tokens(self, seq_id: int, depth: int) -> float:
         """T(d): tokens a tree round of ``depth`` emits, its measured mean leaning on the chain's E(d)."""
