@@ -14,4 +14,7 @@ One responsibility per file:
 - ``driver_link.py``: rank 0's end of the engine (groups, channel, its shards), whatever started the workers.
 - ``worker.py``: ranks >= 1: load their shards, then run what the driver sends.
 - ``launcher.py``: spawning the workers, the start-up handshake, liveness and shutdown.
+- ``launch_env.py``: whether ``torchrun`` started this process, and the checks of an engine under it.
+- ``torchrun.py``: rank 0 of a ``torchrun`` launch (the env:// rendezvous, no spawning) and the other ranks'
+  entry (serve, then leave the process).
 """

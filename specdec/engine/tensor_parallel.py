@@ -1,23 +1,43 @@
-"""An engine's tensor-parallel workers: which models every rank shards, started before the engine uses them."""
+"""An engine's tensor-parallel ranks: which models every rank shards, and how the other ranks start - spawned by
+the engine (``launcher.py``), or already started by ``torchrun`` (``torchrun.py``; this process's environment
+says which, ``launch_env.py``)."""
 
 from __future__ import annotations
 
 from specdec.config import EngineConfig, SpeculativeConfig, check_draft_tensor_parallel
+from specdec.distributed.driver_link import DriverLink
+from specdec.distributed.launch_env import LaunchEnv
 from specdec.distributed.launcher import TensorParallelWorkers
 from specdec.distributed.sharding import check_tensor_parallel
+from specdec.distributed.torchrun import TorchrunDriver, serve_as_worker
 from specdec.distributed.worker import ModelSpec
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.loader import resolve_model_path
 
 
-def start_workers(config: EngineConfig, spec: SpeculativeConfig | None) -> TensorParallelWorkers | None:
-    """The workers of an engine with ``config.tensor_parallel_size > 1`` (None otherwise): ``shards[0]`` the
+def start_workers(config: EngineConfig, spec: SpeculativeConfig | None) -> DriverLink | None:
+    """Rank 0's end of an engine with ``config.tensor_parallel_size > 1`` (None otherwise): ``shards[0]`` the
     target's (model, pool) on rank 0, ``shards[1]`` the draft's when it is sharded too. ``ValueError`` (nothing
-    started) for a configuration tensor parallelism cannot run."""
+    started) for a configuration tensor parallelism cannot run.
+
+    Under ``torchrun`` on a rank other than 0 this does not return: the rank serves rank 0's engine, then ends the
+    process (``torchrun.serve_as_worker``)."""
     size = config.tensor_parallel_size
     draft_size = check_draft_tensor_parallel(spec, size) if spec is not None else 1
     if size == 1:
         return None
+    models = model_specs(config, spec, draft_size)
+    env = LaunchEnv.from_environ()
+    if env is None:
+        return TensorParallelWorkers(size, config.device, config.distributed_timeout_s, models)
+    if env.is_driver:
+        return TorchrunDriver(env, env.device(config.device.type), config.distributed_timeout_s, models)
+    serve_as_worker(env, config.device.type, config.distributed_timeout_s, models)
+
+
+def model_specs(config: EngineConfig, spec: SpeculativeConfig | None, draft_size: int) -> list[ModelSpec]:
+    """What every rank shards: the target, then the draft model when it is sharded too (``draft_size > 1``);
+    ``ValueError`` if the draft cannot be."""
     prepack = False if config.prepack_weights is False else None
     models = [ModelSpec(config.model_path, config.model_config, config.dtype, config.max_model_len + 1,
                         config.num_kv_blocks, config.block_size, config.prepack_weights)]
@@ -29,4 +49,4 @@ def start_workers(config: EngineConfig, spec: SpeculativeConfig | None) -> Tenso
         max_positions = min(draft_config.max_position_embeddings, config.max_model_len)  # as proposers/factory.py
         models.append(ModelSpec(path, draft_config, dtype, max_positions + 1, config.num_kv_blocks,
                                 config.block_size, prepack))
-    return TensorParallelWorkers(size, config.device, config.distributed_timeout_s, models)
+    return models
