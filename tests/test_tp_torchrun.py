@@ -105,23 +105,53 @@ def test_workers_leave_when_the_driver_dies(tiny_pair, tmp_path):
     assert raised.startswith("TensorParallelError: tensor-parallel rank 1 lost the driver (rank 0)"), raised
 
 
-TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+@pytest.fixture
+def as_torchrun_rank0(monkeypatch):
+    """This process made to look like rank 0 of 2 under torchrun; a rendezvous fails the test at once (the
+    refusals below come before it)."""
+    from specdec.distributed import torchrun as torchrun_module
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    def no_rendezvous(timeout_s):
+        raise AssertionError("a rendezvous was attempted")
+
+    monkeypatch.setattr(torchrun_module, "rendezvous_store", no_rendezvous)
+    return torchrun_module
 
 
 @pytest.mark.parametrize("size", [1, 4])
-def test_world_size_other_than_tensor_parallel_size_is_refused(tiny_pair, monkeypatch, size):
-    """Checked while the configuration is built, before any rendezvous (MASTER_PORT 1 would fail it)."""
-    for name, value in TORCHRUN_ENV.items():
-        monkeypatch.setenv(name, value)
+def test_world_size_other_than_tensor_parallel_size_is_refused(tiny_pair, as_torchrun_rank0, size):
     with pytest.raises(ValueError, match="started by torchrun with WORLD_SIZE=2: .* tensor_parallel_size must be 2"):
         LLM(tiny_pair[0], dtype="float32", tensor_parallel_size=size, num_kv_blocks=64)
 
 
-def test_a_second_engine_in_one_launch_is_refused(tiny_pair, monkeypatch):
-    from specdec.distributed import torchrun as torchrun_module
-
-    for name, value in TORCHRUN_ENV.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(torchrun_module, "_engine_started", True)  # as after the launch's first engine
+def test_a_second_engine_in_one_launch_is_refused(tiny_pair, as_torchrun_rank0, monkeypatch):
+    monkeypatch.setattr(as_torchrun_rank0, "_engine_started", True)  # as after the launch's first engine
     with pytest.raises(RuntimeError, match="one tensor-parallel engine"):
         LLM(tiny_pair[0], dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+
+
+def test_launch_env_and_the_device_of_each_rank():
+    """torchrun's five variables make a launch (none, or not all: no launch); rank r uses cuda:LOCAL_RANK, and a
+    LOCAL_RANK without a CUDA device on its node is refused."""
+    import torch
+
+    from specdec.distributed.launch_env import LaunchEnv, check_launch
+
+    local = torch.cuda.device_count()  # one past this node's last device
+    environ = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": str(local), "MASTER_ADDR": "h", "MASTER_PORT": "29400"}
+    assert LaunchEnv.from_environ({}) is None
+    assert LaunchEnv.from_environ({k: v for k, v in environ.items() if k != "MASTER_PORT"}) is None
+    env = LaunchEnv.from_environ(environ)
+    assert (env.rank, env.world_size, env.is_driver) == (3, 4, False)
+    assert env.device("cuda") == torch.device("cuda", local) and env.device("cpu") == torch.device("cpu")
+    check_launch(4, torch.device("cpu"), environ)  # fine on CPU
+    with pytest.raises(ValueError, match=f"LOCAL_RANK={local} and uses cuda:{local}"):
+        check_launch(4, torch.device("cuda"), environ)
+    with pytest.raises(ValueError, match="must be integers"):
+        LaunchEnv.from_environ({**environ, "RANK": "zero"})
+    with pytest.raises(ValueError, match=r"RANK=4 must lie in \[0, WORLD_SIZE=4\)"):
+        LaunchEnv.from_environ({**environ, "RANK": "4"})
