@@ -86,15 +86,17 @@ def proc_status_kb(pid: int | str, key: str) -> int:
 
 
 class CollectiveCounter:
-    """Wraps rank 0's ``TPGroup`` methods: how many of each collective it made and the seconds inside them."""
+    """Wraps rank 0's ``TPGroup`` methods: how many of each collective it made and the seconds inside them, over
+    every group given (the compute group and the command channel's control group)."""
 
     KINDS = {"all_reduce": "all_reduce", "broadcast": "broadcast", "gather_last_dim": "gather"}
 
-    def __init__(self, group):
+    def __init__(self, *groups):
         self.counts = dict.fromkeys(self.KINDS.values(), 0)
         self.seconds = dict.fromkeys(self.KINDS.values(), 0.0)
-        for method, kind in self.KINDS.items():
-            setattr(group, method, self._wrap(getattr(group, method), kind))
+        for group in groups:
+            for method, kind in self.KINDS.items():
+                setattr(group, method, self._wrap(getattr(group, method), kind))
 
     def _wrap(self, fn, kind):
         def wrapped(*args, **kwargs):
@@ -131,7 +133,7 @@ def run_one(args) -> dict:
 
     engine.step = counted_step
     workers = engine.workers
-    counter = CollectiveCounter(workers.group) if workers is not None else None
+    counter = CollectiveCounter(workers.group, workers.channel.control) if workers is not None else None
     pids = [p.pid for p in workers.procs] if workers is not None else []
     prompts = [(p.cls, p.name, chat_token_ids(engine.tokenizer, p.text))
                for ps in load_prompts(args.prompts.split(","), args.prompts_per_class).values() for p in ps]

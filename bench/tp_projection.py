@@ -14,8 +14,8 @@ Per forward of ``rows`` tokens (1: a decode or draft step; k + 1: a verification
   (``ALLREDUCE_US``, interpolated in message size).
 - **gather**: rank 0 receives the other ranks' fp32 logits ``rows x V/N`` each: one latency (the all-reduce's)
   plus the bytes over one GPU's NVLink (450 GB/s per direction).
-- **broadcast**: the int64 forward payload, one latency per forward (the pipe header that precedes it is host
-  work: not modelled, see below).
+- **broadcast**: the int64 forward payload, one latency per forward (the command header that precedes it, a
+  gloo broadcast on the host, is host work: not modelled, see below).
 
 Then c = draft forward / target forward (1 row each) and v(k) = target forward of k + 1 rows / of 1 row, for a draft
 sharded over the same N ranks (specdec's default) and for a draft on rank 0 alone (``draft_tensor_parallel_size=
@@ -23,9 +23,10 @@ sharded over the same N ranks (specdec's default) and for a draft on rank 0 alon
 ``bench.e2e.improvement(alpha, k, c, v(k))`` (Theorem 3.8 with the verification cost), using the cheaper placement.
 
 Not modelled (so the figures are upper bounds on what specdec's TP does today): kernel launches and host work per
-forward - specdec's TP forwards run eagerly (no CUDA graphs under TP yet), and each forward starts with a pipe
-send to every worker; both are tens of microseconds to milliseconds, the same order as a small model's forward
-on an H100. Also not modelled: overlap of communication with compute, and the draft's own prefill/catch-up.
+forward - specdec's TP forwards run eagerly (no CUDA graphs under TP yet), and each forward starts with a gloo
+broadcast of its command header on the host; both are tens of microseconds to milliseconds, the same order as a
+small model's forward on an H100. Also not modelled: overlap of communication with compute, and the draft's own
+prefill/catch-up.
 """
 
 from __future__ import annotations
@@ -150,7 +151,8 @@ def assumptions(args) -> list[str]:
         "per forward: 2L+1 all-reduces of rows x hidden bf16; one gather of rows x V/N fp32 logits per rank "
         "(latency + bytes over NVLink); one payload broadcast (one latency)",
         "not modelled: kernel launches / host work (specdec's TP forwards run eagerly, no CUDA graphs under TP yet; "
-        "each forward sends a pipe header to every worker first), comm/compute overlap; so these are upper bounds",
+        "each forward broadcasts a command header over gloo on the host first), comm/compute overlap; so these are "
+        "upper bounds",
         "speedup = bench.e2e.improvement(alpha, k, c, v(k)) over plain decoding at the same TP; c uses the cheaper "
         "draft placement (sharded over the N ranks, or on rank 0 alone)",
     ]

@@ -121,7 +121,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="as LLM(quantize_lm_head=True): quantise the LM head too, a tied one as its own copy")
     parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                         help="as LLM(tensor_parallel_size=): shard the model over N ranks (N - 1 spawned worker "
-                             "processes; gloo on CPU, NCCL on CUDA); docs/tensor_parallel.md")
+                             "processes, or torchrun's WORLD_SIZE ranks; gloo on CPU, NCCL on CUDA); "
+                             "docs/tensor_parallel.md")
 
 
 def _serve_parser(serve: argparse.ArgumentParser) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache.kv_pool import KVPool
+from specdec.distributed.launch_env import LaunchEnv, check_launch
 from specdec.distributed.sharding import ShardLayout, check_quantized_tensor_parallel, check_tensor_parallel
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import available_memory_bytes, check_prepack_option
@@ -133,9 +134,10 @@ def _check_tensor_parallel_options(size: object, timeout_s: object, device: torc
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not timeout_s > 0:
         raise ValueError(f"distributed_timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    check_launch(size, device)  # under torchrun: size == WORLD_SIZE, a CUDA device per local rank
     if size == 1:
         return
-    if device.type == "cuda" and size > torch.cuda.device_count():
+    if device.type == "cuda" and LaunchEnv.from_environ() is None and size > torch.cuda.device_count():
         raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices (one per rank), but torch sees "
                          f"{torch.cuda.device_count()}; allowed: 1..{torch.cuda.device_count()}")
 

@@ -50,7 +50,10 @@ class LLM:
             spawns, gloo on CPU, NCCL on CUDA (one GPU per rank); docs/tensor_parallel.md. Call ``shutdown()`` (or
             use the LLM as a context manager) to stop the workers; they are also stopped at exit. With
             ``quantization`` each rank quantises its own shard; int4 / grouped int8 groups must not straddle a shard
-            boundary (``ValueError`` naming the allowed group sizes).
+            boundary (``ValueError`` naming the allowed group sizes). Under
+            ``torchrun`` it must be ``WORLD_SIZE``: nothing is spawned, this call builds the engine on rank 0, and
+            on every other rank it serves rank 0 until rank 0 shuts the engine down, then ends the process
+            (``SystemExit(0)``; ``TensorParallelError`` if rank 0 dies) - it never returns there.
         distributed_timeout_s: the longest one collective waits for a worker: a worker that dies ends the
             in-flight requests with ``finish_reason "error"`` at once, one that hangs after this many seconds.
     """

@@ -47,6 +47,15 @@ def test_plain_greedy_matches_one_process(pair, reference):
     assert tokens == reference
 
 
+def test_payloads_that_do_not_travel_inline_follow_as_a_broadcast(pair, reference):
+    """A payload over the command message's inline room (a long prefill; specdec/distributed/channel.py) follows
+    the header as a broadcast on the compute group: with the room made 0 on rank 0, every payload does."""
+    with LLM(pair[0], tensor_parallel_size=2, **OPTS) as llm:
+        llm.engine.workers.channel.inline_limit = 0
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
 @pytest.mark.parametrize("label,spec", [
     ("sharded draft, chains", lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=3)),
     ("rank-0 draft, trees", lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=3, tree=[2, 2, 1],

@@ -80,15 +80,19 @@ class TPGroup:
         return None
 
     def abort(self) -> None:
-        """Give up the group's connections (after a failure, or at shutdown); never raises."""
+        """Give up the group's connections (after a failure, or at shutdown) and release the backend object, so
+        that it is destroyed now - its threads joined, its sockets closed - and not at interpreter exit: a gloo
+        group still alive then aborts the process ("terminate called without an active exception"; seen under
+        torchrun, where every rank's interpreter exits normally). Never raises."""
         self.broken = self.broken or "shut down"
-        if self.pg is None:
+        pg, self.pg = self.pg, None
+        if pg is None:
             return
         for name in ("abort", "shutdown"):
-            fn = getattr(self.pg, name, None)
+            fn = getattr(pg, name, None)
             if fn is not None:
                 try:
                     fn()
-                    return
+                    break
                 except Exception:  # noqa: BLE001, S110 - best effort on the way out
                     pass

@@ -1,6 +1,7 @@
 """Rank 0's stand-ins for a sharded model and its pool: the engine's runner calls them exactly as it calls a
-``LlamaForCausalLM`` and a ``KVPool``; they broadcast each forward's inputs (and each KV compaction) to the
-workers, then run rank 0's shard of the same work (vLLM's driver/worker split)."""
+``LlamaForCausalLM`` and a ``KVPool``; they send each forward's inputs (and each KV compaction) to the workers
+through the link (``driver_link.DriverLink``), then run rank 0's shard of the same work (vLLM's driver/worker
+split)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from specdec.model.llama import AttentionMetadata, LlamaForCausalLM
 
 
 class WorkerLink(Protocol):
-    """What the stand-ins need of the workers (``launcher.TensorParallelWorkers``)."""
+    """What the stand-ins need of the workers (``driver_link.DriverLink``)."""
 
     group: TPGroup
 
-    def send(self, header: ForwardHeader | CompactHeader) -> None:
-        """The header to every worker's pipe; ``TensorParallelError`` if one is gone or the group is broken."""
+    def send(self, header: ForwardHeader | CompactHeader, payload: torch.Tensor | None = None) -> None:
+        """The header and its payload to every worker; ``TensorParallelError`` if one is gone or the group is
+        broken."""
 
 
 def _broken(link: WorkerLink, e: BaseException) -> TensorParallelError:
@@ -66,8 +68,7 @@ class TensorParallelModel:
         """Send the forward's header and payload to the workers, then run ``local_forward`` on rank 0's shard."""
         header, payload = pack_forward(self.model_id, input_ids, positions, meta, logits_indices)
         try:
-            self.link.send(header)
-            self.link.group.broadcast(payload)
+            self.link.send(header, payload)
             return local_forward(input_ids, positions, kv_cache, meta, logits_indices, *extra)
         except Exception as e:  # noqa: BLE001 - re-raised as the group's failure
             raise _broken(self.link, e) from e
@@ -94,10 +95,9 @@ class DriverKVPool(KVPool):
         self.link = link
 
     def compact(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """``KVPool.compact`` on every rank: the moves broadcast as one int64 ``[2 * N]`` payload."""
+        """``KVPool.compact`` on every rank: the moves sent as one int64 ``[2 * N]`` payload."""
         try:
-            self.link.send(CompactHeader(self.model_id, src_slots.shape[0]))
-            self.link.group.broadcast(torch.cat([src_slots, dst_slots]))
+            self.link.send(CompactHeader(self.model_id, src_slots.shape[0]), torch.cat([src_slots, dst_slots]))
         except Exception as e:  # noqa: BLE001
             raise _broken(self.link, e) from e
         super().compact(src_slots, dst_slots)

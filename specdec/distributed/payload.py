@@ -1,10 +1,12 @@
-"""A forward's inputs as one int64 tensor: what the driver broadcasts to the workers once per forward.
+"""What the driver sends the workers: each command's header as a few int64s, and a forward's inputs as one
+int64 payload.
 
-The driver sends a small header through each worker's pipe (``ForwardHeader``: the command and the section
-sizes - Python ints, so a worker can allocate the payload), then broadcasts the payload: token ids, RoPE
-positions, slots, logits rows, ``seq_lens``, ``cu_q_lens``, the block tables and, for tree windows, the packed
-masks with their offsets, concatenated in that order. Int32 and bool sections are widened to int64 (a few
-hundred bytes per forward at these sizes; one collective instead of one per section).
+A header (``ForwardHeader``, ``CompactHeader``, ``ShutdownHeader``) says what comes next and how big its payload
+is, so that a worker can allocate it; ``header_to_ints`` / ``header_from_ints`` turn it into the fixed-size int64
+prefix that ``channel.py`` broadcasts. A forward's payload is token ids, RoPE positions, slots, logits rows,
+``seq_lens``, ``cu_q_lens``, the block tables and, for tree windows, the packed masks with their offsets,
+concatenated in that order. Int32 and bool sections are widened to int64 (a few hundred bytes per forward at
+these sizes; one collective instead of one per section).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import torch
 
 from specdec.model.llama import AttentionMetadata
 
+FORWARD, COMPACT, SHUTDOWN = 1, 2, 3  # a header's command (its first int)
+HEADER_LEN = 8  # ints of an encoded header: the command and up to 7 fields
+
 
 @dataclass(frozen=True)
 class ForwardHeader:
-    """The sizes of one forward's payload (sent through the pipe before the broadcast)."""
+    """The sizes of one forward's payload (broadcast before the payload)."""
 
     model_id: int  # 0: the target, 1: the draft
     num_tokens: int  # T
@@ -40,6 +45,49 @@ class CompactHeader:
 
     model_id: int
     num_moves: int
+
+    @property
+    def numel(self) -> int:
+        """The payload: source slots then destination slots."""
+        return 2 * self.num_moves
+
+
+@dataclass(frozen=True)
+class ShutdownHeader:
+    """The driver is shutting down: the workers leave their serve loop (no payload)."""
+
+    numel = 0
+
+
+Header = ForwardHeader | CompactHeader | ShutdownHeader
+
+
+def header_to_ints(header: Header) -> list[int]:
+    """``header`` as ``HEADER_LEN`` ints: its command, then its fields (``uniform_q_len`` None as -1), zero-padded."""
+    if isinstance(header, ForwardHeader):
+        q_len = -1 if header.uniform_q_len is None else header.uniform_q_len
+        ints = [FORWARD, header.model_id, header.num_tokens, header.num_logits, header.num_seqs, header.table_width,
+                header.mask_numel, q_len]
+    elif isinstance(header, CompactHeader):
+        ints = [COMPACT, header.model_id, header.num_moves]
+    elif isinstance(header, ShutdownHeader):
+        ints = [SHUTDOWN]
+    else:
+        raise TypeError(f"not a header: {header!r}")
+    return ints + [0] * (HEADER_LEN - len(ints))
+
+
+def header_from_ints(ints: list[int]) -> Header:
+    """The header ``header_to_ints`` encoded; ``RuntimeError`` for an unknown command."""
+    command = ints[0]
+    if command == FORWARD:
+        model_id, t, n, b, w, mask_numel, q_len = ints[1:8]
+        return ForwardHeader(model_id, t, n, b, w, mask_numel, None if q_len < 0 else q_len)
+    if command == COMPACT:
+        return CompactHeader(ints[1], ints[2])
+    if command == SHUTDOWN:
+        return ShutdownHeader()
+    raise RuntimeError(f"unknown command from the driver: {ints!r}")
 
 
 def pack_forward(model_id: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -1,4 +1,6 @@
-"""An engine's tensor-parallel workers: which models every rank shards, started before the engine uses them."""
+"""An engine's tensor-parallel ranks: which models every rank shards, and how the other ranks start - spawned by
+the engine (``launcher.py``), or already started by ``torchrun`` (``torchrun.py``; this process's environment
+says which, ``launch_env.py``)."""
 
 from __future__ import annotations
 
@@ -9,27 +11,45 @@ from specdec.config import (
     draft_model_dtype,
     gguf_source_of,
 )
+from specdec.distributed.driver_link import DriverLink
+from specdec.distributed.launch_env import LaunchEnv
 from specdec.distributed.launcher import TensorParallelWorkers
 from specdec.distributed.sharding import check_quantized_tensor_parallel, check_tensor_parallel
+from specdec.distributed.torchrun import TorchrunDriver, serve_as_worker
 from specdec.distributed.worker import ModelSpec
 from specdec.model.config import ModelConfig
 from specdec.model.loader import resolve_model_path
 
 
-def start_workers(config: EngineConfig, spec: SpeculativeConfig | None) -> TensorParallelWorkers | None:
-    """The workers of an engine with ``config.tensor_parallel_size > 1`` (None otherwise): ``shards[0]`` the
+def start_workers(config: EngineConfig, spec: SpeculativeConfig | None) -> DriverLink | None:
+    """Rank 0's end of an engine with ``config.tensor_parallel_size > 1`` (None otherwise): ``shards[0]`` the
     target's (model, pool) on rank 0, ``shards[1]`` the draft's when it is sharded too. ``ValueError`` (nothing
-    started) for a configuration tensor parallelism cannot run."""
+    started) for a configuration tensor parallelism cannot run.
+
+    Under ``torchrun`` on a rank other than 0 this does not return: the rank serves rank 0's engine, then ends the
+    process (``torchrun.serve_as_worker``)."""
     size = config.tensor_parallel_size
     draft_size = check_draft_tensor_parallel(spec, size) if spec is not None else 1
     if size == 1:
         return None
+    models = model_specs(config, spec, draft_size)
+    env = LaunchEnv.from_environ()
+    if env is None:
+        return TensorParallelWorkers(size, config.device, config.distributed_timeout_s, models)
+    if env.is_driver:
+        return TorchrunDriver(env, env.device(config.device.type), config.distributed_timeout_s, models)
+    serve_as_worker(env, config.device.type, config.distributed_timeout_s, models)
+
+
+def model_specs(config: EngineConfig, spec: SpeculativeConfig | None, draft_size: int) -> list[ModelSpec]:
+    """What every rank shards: the target, then the draft model when it is sharded too (``draft_size > 1``);
+    ``ValueError`` if the draft cannot be."""
     models = [ModelSpec(config.model_path, config.model_config, config.dtype, config.max_model_len + 1,
                         config.num_kv_blocks, config.block_size, config.prepack_weights, config.quantization,
                         config.quantization_group_size, config.quantize_lm_head, config.gguf_source)]
     if spec is not None and spec.uses_draft_model and draft_size > 1:
         models.append(_draft_spec(config, spec, draft_size))
-    return TensorParallelWorkers(size, config.device, config.distributed_timeout_s, models)
+    return models
 
 
 def _draft_spec(config: EngineConfig, spec: SpeculativeConfig, size: int) -> ModelSpec:
