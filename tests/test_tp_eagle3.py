@@ -18,6 +18,7 @@ import test_eagle3_lossless as eagle_lossless
 import test_spec_lossless as lossless
 import torch
 from test_eagle3 import HEAD_HEADS, HEAD_MLP, LAYERS, assert_pools_whole, prompts
+from test_tp_engine import assert_lossless_under_tp
 from tiny_models import make_tiny_eagle3_head, make_tiny_model
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
@@ -129,16 +130,8 @@ def test_eagle3_sampling_is_lossless_under_tp(tmp_path):
     head = str(tmp_path / "head")
     make_tiny_eagle3_head(head, target, seed=9, draft_ids=eagle_lossless.DRAFT_IDS, aux_layer_ids=[0, 1, 1],
                           structured=False, num_heads=4, intermediate_size=48)
-    cfg, k = lossless.CONFIGS["top_k_top_p"], 2
-    m = k + 2
-    joint = lossless.exact_joint(lossless.target_prefix_logits(target, lossless.PROMPT, m), cfg, m)
-    spec = SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=k)
-    with LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256, kv_cache_memory_gb=0.02,
-             speculative=spec, tensor_parallel_size=2) as llm:
-        counts, metrics = lossless.run(llm, cfg, m, lossless.N, "TP=2 eagle3 top_k_top_p k=2")
-    stat, bound = lossless.check("TP=2 eagle3", counts, joint)
-    assert stat < bound, f"EAGLE-3 sampling under TP=2 is not lossless (chi-square {stat:.1f} >= {bound:.1f})"
-    assert sum(x["accepted"] < x["drafted"] for x in metrics) > lossless.N // 10  # rejections happened
+    spec = SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=2)
+    assert_lossless_under_tp(target, spec, "eagle3")
 
 
 def test_a_sharded_head_is_refused(models):

@@ -93,15 +93,21 @@ def test_n_logprobs_and_prefix_caching_under_tp(pair):
 def test_speculative_sampling_is_lossless_under_tp(tmp_path):
     """The sampled joint of tokens 1..4 (k = 2) under TP=2 with a sharded draft against the exact target joint."""
     target, draft = lossless.make_lossless_pair(tmp_path)
-    cfg, k = lossless.CONFIGS["top_k_top_p"], 2
+    assert_lossless_under_tp(target, SpeculativeConfig(draft_model=draft, num_speculative_tokens=2), "draft model")
+
+
+def assert_lossless_under_tp(target: str, spec: SpeculativeConfig, label: str) -> None:
+    """Speculative sampling with ``spec`` (k = ``spec.num_speculative_tokens``, top-k / top-p) under TP=2 on the
+    lossless oracle's ``target``: the sampled joint of tokens 1..k+2 matches the exact target joint (chi-square),
+    and rejections happened."""
+    cfg, k = lossless.CONFIGS["top_k_top_p"], spec.num_speculative_tokens
     m = k + 2
     joint = lossless.exact_joint(lossless.target_prefix_logits(target, lossless.PROMPT, m), cfg, m)
-    spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=k)
     with LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256, kv_cache_memory_gb=0.02,
              speculative=spec, tensor_parallel_size=2) as llm:
-        counts, metrics = lossless.run(llm, cfg, m, lossless.N, "TP=2 top_k_top_p k=2")
-    stat, bound = lossless.check("TP=2", counts, joint)
-    assert stat < bound, f"speculative sampling under TP=2 is not lossless (chi-square {stat:.1f} >= {bound:.1f})"
+        counts, metrics = lossless.run(llm, cfg, m, lossless.N, f"TP=2 {label} top_k_top_p k={k}")
+    stat, bound = lossless.check(f"TP=2 {label}", counts, joint)
+    assert stat < bound, f"{label}: sampling under TP=2 is not lossless (chi-square {stat:.1f} >= {bound:.1f})"
     assert sum(x["accepted"] < x["drafted"] for x in metrics) > lossless.N // 10  # rejections happened
 
 
