@@ -63,6 +63,8 @@ def test_payloads_that_do_not_travel_inline_follow_as_a_broadcast(pair, referenc
     ("sharded draft, trees", lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=3, tree=[2, 1, 1],
                                                          tree_policy="always")),
     ("prompt lookup", lambda d: SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=3)),
+    ("ngram", lambda d: SpeculativeConfig(method="ngram", num_speculative_tokens=3)),
+    ("combined", lambda d: SpeculativeConfig(method="combined", draft_model=d, num_speculative_tokens=3)),
 ])
 def test_speculative_greedy_matches_plain(pair, reference, label, spec):
     tokens, stats = tp_tokens(pair[0], spec(pair[1]))
@@ -94,6 +96,13 @@ def test_speculative_sampling_is_lossless_under_tp(tmp_path):
     """The sampled joint of tokens 1..4 (k = 2) under TP=2 with a sharded draft against the exact target joint."""
     target, draft = lossless.make_lossless_pair(tmp_path)
     assert_lossless_under_tp(target, SpeculativeConfig(draft_model=draft, num_speculative_tokens=2), "draft model")
+
+
+def test_block_verification_is_lossless_under_tp(tmp_path):
+    """Block verification (Sun et al.) under TP=2 with a draft on rank 0 against the exact target joint."""
+    target, draft = lossless.make_lossless_pair(tmp_path)
+    spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=2, verify="block", draft_tensor_parallel_size=1)
+    assert_lossless_under_tp(target, spec, "block verification")
 
 
 def assert_lossless_under_tp(target: str, spec: SpeculativeConfig, label: str) -> None:

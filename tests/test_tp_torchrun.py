@@ -122,10 +122,19 @@ def as_torchrun_rank0(monkeypatch):
     return torchrun_module
 
 
-@pytest.mark.parametrize("size", [1, 4])
+@pytest.mark.parametrize("size", [4])
 def test_world_size_other_than_tensor_parallel_size_is_refused(tiny_pair, as_torchrun_rank0, size):
     with pytest.raises(ValueError, match="started by torchrun with WORLD_SIZE=2: .* tensor_parallel_size must be 2"):
         LLM(tiny_pair[0], dtype="float32", tensor_parallel_size=size, num_kv_blocks=64)
+
+
+def test_one_process_engines_under_a_torchrun_environment(tiny_pair, as_torchrun_rank0):
+    """``tensor_parallel_size=1`` under torchrun's variables (data-parallel replicas, a DDP or SLURM job) is not a
+    tensor-parallel launch: a one-process engine, no rendezvous (the fixture fails one), and it decodes."""
+    llm = LLM(tiny_pair[0], dtype="float32", tensor_parallel_size=1, num_kv_blocks=64)
+    assert llm.engine.workers is None
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 3
 
 
 def test_a_second_engine_in_one_launch_is_refused(tiny_pair, as_torchrun_rank0, monkeypatch):
@@ -149,6 +158,7 @@ def test_launch_env_and_the_device_of_each_rank():
     assert (env.rank, env.world_size, env.is_driver) == (3, 4, False)
     assert env.device("cuda") == torch.device("cuda", local) and env.device("cpu") == torch.device("cpu")
     check_launch(4, torch.device("cpu"), environ)  # fine on CPU
+    check_launch(1, torch.device("cpu"), environ)  # one engine per process (replicas): not a tensor-parallel launch
     with pytest.raises(ValueError, match=f"LOCAL_RANK={local} and uses cuda:{local}"):
         check_launch(4, torch.device("cuda"), environ)
     with pytest.raises(ValueError, match="must be integers"):

@@ -11,6 +11,7 @@ one that hangs fails it after the timeout. Either way the group is marked broken
 from __future__ import annotations
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,10 @@ class TPGroup:
         """Join the group whose rendezvous is ``store`` (blocks until every rank joined, at most the store's
         timeout): gloo on CPU, NCCL on CUDA."""
         if self.backend == "nccl":
+            # a collective's wait() then blocks the host and raises at the timeout (NCCL's default is to return at
+            # once and let a watchdog tear the process down), so a dead or hung rank ends requests with an error, as
+            # on gloo. NOTE: not yet run on GPUs (docs/tensor_parallel.md, "Faults")
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self.timeout
             self.pg = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)

@@ -57,9 +57,11 @@ class LaunchEnv:
 def check_launch(tensor_parallel_size: int, device: torch.device, environ: dict[str, str] | None = None) -> None:
     """``ValueError`` saying what is allowed when this process was started by ``torchrun`` and an engine of
     ``tensor_parallel_size`` ranks on ``device`` cannot run in its launch: one engine over every rank, so the size
-    must be ``WORLD_SIZE``, and on CUDA each node needs a device per local rank."""
+    must be ``WORLD_SIZE``, and on CUDA each node needs a device per local rank. ``tensor_parallel_size == 1`` is
+    not a tensor-parallel launch: every process runs its own one-process engine (data-parallel replicas under
+    ``torchrun``, a DDP or SLURM job), so nothing is checked."""
     env = LaunchEnv.from_environ(environ)
-    if env is None:
+    if env is None or tensor_parallel_size == 1:
         return
     if tensor_parallel_size != env.world_size:
         raise ValueError(
