@@ -139,6 +139,14 @@ def check_loopback(url: str) -> None:
         raise SystemExit(f"--url must be a loopback address (127.0.0.1, localhost, ::1), got {host!r}")
 
 
+def server_flags(args, config: str) -> list[str]:
+    """The ``specdec serve`` flags of ``config`` (plus ``--tensor-parallel-size`` when it is > 1)."""
+    flags = [f.format(method=args.method, k=args.k) for f in CONFIGS[config]]
+    if args.tensor_parallel_size > 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+    return flags
+
+
 def start_server(model: str, config: list[str], port: int, threads: int, max_model_len: int, log: Path
                  ) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "specdec", "serve", model, "--served-model-name", "bench", "--port", str(port),
@@ -185,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-class", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server (per rank)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="specdec serve --tensor-parallel-size: shard the server's model over N ranks")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--level-timeout", type=float, default=600.0, help="seconds one concurrency level may take")
     parser.add_argument("--soak", type=int, default=None, metavar="ROUNDS",
@@ -213,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         proc = None
         if args.url is None:
             port = _free_port()
-            flags = [f.format(method=args.method, k=args.k) for f in CONFIGS[config]]
+            flags = server_flags(args, config)
             log = Path("bench/out") / f"serve-{config}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             proc = start_server(model, flags, port, args.threads, args.max_model_len, log)

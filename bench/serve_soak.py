@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.common import machine_info, resolve_model, write_json
-from bench.serve import CONFIGS, _free_port, one_request, run_level, start_server, workloads
+from bench.serve import CONFIGS, _free_port, one_request, run_level, server_flags, start_server, workloads
 
 
 def vm_rss_mib(pid: int) -> float:
@@ -131,7 +131,7 @@ def soak_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     port = _free_port()
     log = Path("bench/out") / f"serve-soak-{config}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    flags = [f.format(method=args.method, k=args.k) for f in CONFIGS[config]]
+    flags = server_flags(args, config)
     proc = start_server(model, flags, port, args.threads, args.max_model_len, log)
     url = f"http://127.0.0.1:{port}"
     convs = workloads(args.prompts_per_class)["classes"]

@@ -71,3 +71,19 @@ def test_soak_refuses_a_url_and_bad_sizes():
         bench.serve.main(["--soak", "2", "--url", "http://127.0.0.1:8000"])
     with pytest.raises(SystemExit, match="--soak-concurrency must be >= 1"):
         bench.serve.main(["--soak", "2", "--soak-concurrency", "0"])
+
+
+def test_server_flags_carry_the_tensor_parallel_size():
+    """``--tensor-parallel-size N`` reaches the ``specdec serve`` command line (and the CLI parses it), not for N=1."""
+    import argparse
+
+    import bench.serve
+    from specdec.cli import build_parser
+
+    args = argparse.Namespace(method="prompt_lookup", k=4, tensor_parallel_size=2)
+    flags = bench.serve.server_flags(args, "adaptive")
+    assert flags[-2:] == ["--tensor-parallel-size", "2"]
+    assert build_parser().parse_args(["serve", "m", *flags]).tensor_parallel_size == 2
+    assert "--tensor-parallel-size" not in bench.serve.server_flags(argparse.Namespace(**{**vars(args),
+                                                                                         "tensor_parallel_size": 1}),
+                                                                     "adaptive")
