@@ -113,7 +113,9 @@ class TensorParallelWorkers(DriverLink):
 
 
 def _stop(procs: list, conns: list, group: TPGroup, channel: CommandChannel, graceful: bool) -> None:
-    asked = stop_serving(group, channel)  # workers in their serve loop
+    # workers in their serve loop are asked over the channel - unless one has exited: a broadcast to it could then
+    # wait up to the collectives' timeout, and the others are killed below anyway
+    asked = all(proc.exitcode is None for proc in procs) and stop_serving(group, channel)
     for conn in conns:
         if not asked:  # workers still starting up, waiting for CONNECT
             try:

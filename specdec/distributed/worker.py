@@ -14,7 +14,6 @@ handshake. ``torchrun.py`` has the entry of a worker ``torchrun`` started.
 from __future__ import annotations
 
 import datetime
-import logging
 import sys
 import traceback
 from dataclasses import dataclass
@@ -29,8 +28,6 @@ from specdec.distributed.payload import CompactHeader, ForwardHeader, ShutdownHe
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
 from specdec.model.loader import load_model
-
-logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"  # through the pipe of a spawned worker, before it connected
 CONNECT = "connect"
