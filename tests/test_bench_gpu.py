@@ -203,3 +203,20 @@ def test_profile_counts_host_waits_by_kind_inside_the_step_only():
     assert counts["cudaDeviceSynchronize"] == 0 and counts["cudaEventSynchronize"] == 1
     assert result["host_waits"] == 3  # blocking memcpy, stream sync, event sync; not the async copies or the wait
     assert result["counts_whole_profile"]["cudaDeviceSynchronize"] == 1
+
+
+def test_tests_step_leaves_the_nccl_tests_out_below_two_gpus():
+    """On a one-GPU machine the NCCL tests (which fail by design there) are left out of the collection, and said."""
+    from bench.gpu_steps import tests as step
+
+    production = dict(step.SELECTIONS)["production shapes (tests/gpu, -m gpu)"]
+    kernels = dict(step.SELECTIONS)["kernel tests, CUDA parametrisations"]
+    assert step.left_out(production, 1) == [step.MULTI_GPU_TESTS]
+    assert step.left_out(production, 2) == []
+    assert step.left_out(kernels, 1) == []
+    cmd = step.pytest_cmd(production, collect_only=True, ignore=step.left_out(production, 1))
+    listed = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO).stdout
+    full = subprocess.run(step.pytest_cmd(production, collect_only=True), capture_output=True, text=True,
+                          cwd=REPO).stdout
+    assert "test_tp_nccl.py" in full and "test_tp_nccl.py" not in listed
+    assert "test_production_shapes.py" in listed  # the rest of tests/gpu is still collected
