@@ -146,7 +146,7 @@ def train_draft(cfg: TrainDraftConfig) -> dict:
                         log_file=out / "train_log.jsonl")
     write_head(out, head_raw, head.published_state(), d2t, t2d)
     last = result.history[-min(len(result.history), 10):]  # the mean of the last (up to) 10 steps
-    summary["train"] = {"steps": result.step, "seconds": result.seconds,
+    summary["train"] = {"steps": result.step, "seconds": result.seconds, "warnings": result.warnings,
                         "final_loss": sum(r["loss"] for r in last) / max(len(last), 1),
                         "final_top1": [sum(r["top1"][j] for r in last) / len(last) for j in range(cfg.ttt_steps)]
                         if last else []}
