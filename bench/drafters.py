@@ -59,6 +59,16 @@ def parse_drafter(spec: str) -> tuple[str, str | None]:
     return method, (resolve_model(model) if model else None)
 
 
+def select_prompts(prompts: dict[str, list], names: str | None) -> dict[str, list]:
+    """``prompts`` (class -> prompts) kept to the file stems in the comma-separated ``names`` (all when None);
+    classes left with none are dropped."""
+    if not names:
+        return prompts
+    keep = set(names.split(","))
+    kept = {cls: [p for p in ps if p.name in keep] for cls, ps in prompts.items()}
+    return {cls: ps for cls, ps in kept.items() if ps}
+
+
 def draft_step_model(llm: specdec.LLM):
     """(draft model, its config, EAGLE-3 head) of a speculative engine, for ``measure_costs``: model-free drafters
     give (None, None, None) - c = 0."""
@@ -121,6 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--k", type=int, default=4, help="drafted tokens per round (a chain)")
     parser.add_argument("--prompts", default=",".join(PROMPT_CLASSES), help="comma-separated prompt classes")
     parser.add_argument("--prompts-per-class", type=int, default=1)
+    parser.add_argument("--prompt-names", default=None,
+                        help="comma-separated prompt file stems to keep (e.g. 03_letter), after --prompts-per-class")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -156,8 +168,10 @@ def main(argv: list[str] | None = None) -> dict:
                                              if method in ("draft_model", "combined") else None)
             engines[name] = specdec.LLM(target_path, speculative=spec, **engine_kwargs)
     tokenizer = plain.engine.tokenizer
-    ids = {cls: [chat_token_ids(tokenizer, p.text) for p in ps]
-           for cls, ps in load_prompts(args.prompts.split(","), args.prompts_per_class).items()}
+    prompts = select_prompts(load_prompts(args.prompts.split(","), args.prompts_per_class), args.prompt_names)
+    if not prompts:
+        parser.error(f"--prompt-names {args.prompt_names}: no prompt of the classes {args.prompts} has that name")
+    ids = {cls: [chat_token_ids(tokenizer, p.text) for p in ps] for cls, ps in prompts.items()}
     warm = specdec.SamplingParams(temperature=0, max_tokens=8)
     for llm in engines.values():
         llm.generate(prompt_token_ids=next(iter(ids.values()))[:1], sampling_params=warm)

@@ -58,3 +58,13 @@ def test_summary_speedups_against_plain_and_the_token_check():
     assert out["fast"]["speedup_cpu"] == pytest.approx(2.0)
     assert out["fast"]["tau"] == pytest.approx(2.0) and out["fast"]["acceptance"] == pytest.approx(0.5)
     assert out["fast"]["lossless"] is True and out["wrong"]["lossless"] is False
+
+
+def test_select_prompts_keeps_the_named_files_and_drops_empty_classes():
+    from bench.common import load_prompts
+
+    prompts = load_prompts(["json", "prose"], None)
+    assert drafters.select_prompts(prompts, None) is prompts
+    kept = drafters.select_prompts(prompts, "03_letter")
+    assert list(kept) == ["prose"] and [p.name for p in kept["prose"]] == ["03_letter"]
+    assert drafters.select_prompts(prompts, "no_such_prompt") == {}
