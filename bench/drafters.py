@@ -41,7 +41,7 @@ from bench.common import (
     timed,
     write_json,
 )
-from bench.e2e import aggregate_metrics, measure_costs, reuse_target_weights
+from bench.e2e import aggregate_metrics, draft_step_model, measure_costs, reuse_target_weights
 
 MODEL_METHODS = ("draft_model", "eagle3", "combined")  # the methods whose drafter names a model
 
@@ -67,18 +67,6 @@ def select_prompts(prompts: dict[str, list], names: str | None) -> dict[str, lis
     keep = set(names.split(","))
     kept = {cls: [p for p in ps if p.name in keep] for cls, ps in prompts.items()}
     return {cls: ps for cls, ps in kept.items() if ps}
-
-
-def draft_step_model(llm: specdec.LLM):
-    """(draft model, its config, EAGLE-3 head) of a speculative engine, for ``measure_costs``: model-free drafters
-    give (None, None, None) - c = 0."""
-    drafter = llm.engine.speculative.proposer
-    drafter = getattr(drafter, "draft_model", drafter)  # the combined drafter holds the draft-model drafter
-    head = getattr(drafter, "head", None)
-    if head is not None:
-        return None, None, head
-    runner = getattr(drafter, "runner", None)
-    return (runner.model, drafter.config, None) if runner is not None else (None, None, None)
 
 
 def run_class(engines: dict[str, specdec.LLM], prompts: list[list[int]], params, reps: int) -> dict:

@@ -212,6 +212,18 @@ def eagle3_step_seconds(head, batch: int, context: int, reps: int = 3, block_siz
     return median([timed(step)[0] for _ in range(reps)])
 
 
+def draft_step_model(llm: specdec.LLM):
+    """(draft model, its config, EAGLE-3 head) of a speculative engine, for ``measure_costs``: model-free drafters
+    give (None, None, None) - c = 0."""
+    drafter = llm.engine.speculative.proposer
+    drafter = getattr(drafter, "draft_model", drafter)  # the combined drafter holds the draft-model drafter
+    head = getattr(drafter, "head", None)
+    if head is not None:
+        return None, None, head
+    runner = getattr(drafter, "runner", None)
+    return (runner.model, drafter.config, None) if runner is not None else (None, None, None)
+
+
 def measure_costs(target, draft, config, draft_config, batch: int, context: int, k: int, reps: int = 3,
                   eagle3_head=None) -> dict:
     """c and v(j), j = 1..k, at batch size ``batch`` from timed forwards of the engine's own models (c of an
@@ -424,12 +436,7 @@ def main(argv: list[str] | None = None) -> int:
 
     target_model, config = spec_llm.engine.model, spec_llm.engine.model_config
     meta["prepacked_linears"] = any(getattr(m, "packed_weight", None) is not None for m in target_model.modules())
-    drafter = spec_llm.engine.speculative.proposer
-    drafter = getattr(drafter, "draft_model", drafter)  # the combined drafter holds the draft-model drafter
-    runner = getattr(drafter, "runner", None)
-    eagle3_head = getattr(drafter, "head", None) if args.method == "eagle3" else None
-    draft_model, draft_config = (runner.model, drafter.config) if runner is not None and eagle3_head is None \
-        else (None, None)
+    draft_model, draft_config, eagle3_head = draft_step_model(spec_llm)
 
     results: dict = {"phase_a": {}, "costs": {}}
     for batch in args.batch:
@@ -451,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     if 1 in args.batch and not args.no_transformers:
         mode = "separate" if args.transformers_separate else "interleaved"
         print(f"phase B, batch 1: ours vs transformers ({mode})", flush=True)
-        del plain, plain_llm, target_model, draft_model, drafter, runner, eagle3_head
+        del plain, plain_llm, target_model, draft_model, eagle3_head
         if args.transformers_separate:
             del spec, spec_llm
         gc.collect()

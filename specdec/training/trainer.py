@@ -56,8 +56,8 @@ RISING_WINDOW, RISING_FACTOR = 5, 2.0
 def loss_rising(history: list[dict], window: int = RISING_WINDOW, factor: float = RISING_FACTOR) -> str | None:
     """A warning when the mean loss of the last ``window`` steps exceeds ``factor`` x the first step's: the loss
     of a head that learns falls from its first value; one that rises past it has diverged, typically a learning
-    rate too high for the target's hidden states (seen with --lr 2e-3 on Qwen2.5-Coder-1.5B: 13.5 at step 1, 26
-    at step 7, and a head stuck on one token). None while it does not, or before ``window + 1`` steps."""
+    rate too high for the target's hidden states (seen with --lr 2e-3 on Qwen2.5-Coder-1.5B: 13.5 at step 1,
+    62.8 at step 2, and a head stuck on one token). None while it does not, or before ``window + 1`` steps."""
     if len(history) < window + 1:
         return None
     first = history[0]["loss"]
