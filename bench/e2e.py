@@ -256,6 +256,29 @@ def reuse_target_weights(llm: specdec.LLM):
         engine_module.load_model = original
 
 
+@contextlib.contextmanager
+def share_draft_weights():
+    """While open, draft models are loaded once per (folder, dtype, quantisation): a second engine drafting with
+    the same model gets the first one's (``specdec/spec_decode/proposers/factory.py``'s ``load_model``). Exact for
+    the same reason as :func:`reuse_target_weights`: each engine keeps its own draft KV pool."""
+    import specdec.spec_decode.proposers.factory as factory_module
+
+    original, loaded = factory_module.load_model, {}
+
+    def load_once(path, dtype, *args, **kwargs):
+        key = (str(path), str(dtype), *(id(a) if isinstance(a, torch.Tensor) else repr(a)
+                                        for a in (*args, *sorted(kwargs.items()))))
+        if key not in loaded:
+            loaded[key] = original(path, dtype, *args, **kwargs)
+        return loaded[key]
+
+    factory_module.load_model = load_once
+    try:
+        yield
+    finally:
+        factory_module.load_model = original
+
+
 def warm_up(llms: list[specdec.LLM], prompts: list[list[int]]) -> None:
     for llm in llms:
         llm.generate(prompt_token_ids=prompts, sampling_params=specdec.SamplingParams(temperature=0, max_tokens=4))
