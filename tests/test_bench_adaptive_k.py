@@ -9,44 +9,76 @@ from bench import adaptive_k
 from bench.e2e import share_draft_weights
 
 
-class FakeLLM:
-    """Records every call (generation or adaptive reset) in one shared list; returns fixed tokens and k per step."""
+class FakeEngine:
+    """One request at a time, ``per_step`` tokens per ``step()``; every step and adaptive reset logged in ``calls``."""
 
-    def __init__(self, name, calls, tokens, seconds):
-        self.name, self.calls, self.tokens, self.seconds = name, calls, tokens, seconds
-        self.engine = SimpleNamespace(tokenizer=None, model=None,
-                                      speculative=SimpleNamespace(reset_adaptive=lambda: calls.append("reset")))
+    def __init__(self, name, calls, per_step):
+        self.name, self.calls, self.per_step = name, calls, per_step
+        self.speculative = SimpleNamespace(reset_adaptive=lambda: calls.append(f"reset {name}"))
+        self.tokenizer = self.model = self.request = None
 
-    def generate(self, prompt_token_ids, sampling_params):
+    def add_request(self, prompt_token_ids, params):
+        self.request = {"id": f"{self.name}-{len(self.calls)}", "tokens": [], "max": params.max_tokens}
+        return self.request["id"]
+
+    def has_unfinished_requests(self):
+        return self.request is not None
+
+    def step(self):
         self.calls.append(self.name)
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(self.tokens))],
-                                metrics={"k_per_step": [2, 2]}, error=None)]
+        r = self.request
+        r["tokens"] += [7] * min(self.per_step, r["max"] - len(r["tokens"]))
+        finished = len(r["tokens"]) == r["max"]
+        if finished:
+            self.request = None
+        out = SimpleNamespace(request_id=r["id"], finished=finished, error=None,
+                              outputs=[SimpleNamespace(token_ids=list(r["tokens"]))],
+                              metrics={"k_per_step": [self.per_step - 1] * len(r["tokens"])})
+        return [out]
+
+
+class FakeLLM:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, prompt_token_ids, sampling_params):  # the warm-up
+        self.engine.calls.append(f"warm {self.engine.name}")
 
 
 @pytest.fixture
 def fake_engines(monkeypatch):
-    calls, seconds = [], {"plain": 4.0, "k=1": 2.0, "adaptive": 1.0}
-    monkeypatch.setattr(adaptive_k, "new_engine", lambda args, name: FakeLLM(name, calls, [7, 8], seconds[name]))
+    calls, per_step = [], {"plain": 1, "k=1": 2, "adaptive": 4}
+    monkeypatch.setattr(adaptive_k, "new_engine", lambda args, name: FakeLLM(FakeEngine(name, calls, per_step[name])))
     monkeypatch.setattr(adaptive_k, "class_ids", lambda args, tokenizer: {"code": [[1], [2]], "prose": [[3]]})
-    clock = iter(range(10_000))
-    monkeypatch.setattr(adaptive_k, "timed", lambda fn: (float(next(clock) % 3 + 1), fn()))
     return calls
 
 
-def test_measure_shared_rotates_per_prompt_and_resets_adaptive_before_each_of_its_generations(fake_engines):
+def test_lockstep_steps_the_engine_furthest_behind_and_resets_adaptive_before_each_generation(fake_engines):
+    engines = {n: adaptive_k.new_engine(None, n) for n in ("plain", "k=1", "adaptive")}
+    params = SimpleNamespace(max_tokens=4)
+    out = adaptive_k.generate_lockstep(engines, [1], params, ["plain", "k=1", "adaptive"])
+    # progress (fraction of 4 tokens) after each step: plain .25, k=1 .5, adaptive 1 (done), plain .5, then the
+    # tie plain / k=1 at .5 goes to the first in the order
+    assert fake_engines == ["reset adaptive", "plain", "k=1", "adaptive", "plain", "plain", "k=1", "plain"]
+    assert {n: len(o["tokens"]) for n, o in out.items()} == {"plain": 4, "k=1": 4, "adaptive": 4}
+    assert out["adaptive"]["k_per_step"] == [3] * 4 and out["plain"]["error"] is None
+    assert all(o["seconds"] >= 0 and o["cpu_seconds"] >= 0 for o in out.values())
+    fake_engines.clear()
+    adaptive_k.generate_lockstep(engines, [1], params, ["adaptive", "k=1", "plain"])
+    assert fake_engines[:4] == ["reset adaptive", "adaptive", "k=1", "plain"]  # ties follow the rotated order
+
+
+def test_measure_shared_runs_every_prompt_and_repetition_in_a_rotating_order(fake_engines):
     args = SimpleNamespace(reps=3, max_tokens=4)
     runs = adaptive_k.measure_shared(args, ["plain", "k=1", "adaptive"])
-    timed_calls = fake_engines[3:]  # after the three warm-ups (no reset: the warm-up's counts are reset later)
-    assert fake_engines[:3] == ["plain", "k=1", "adaptive"]
-    one_prompt = ["plain", "k=1", "reset", "adaptive",  # repetition 1
-                  "k=1", "reset", "adaptive", "plain",  # repetition 2
-                  "reset", "adaptive", "plain", "k=1"]  # repetition 3
-    assert timed_calls == one_prompt * 3  # two code prompts, one prose prompt
+    assert fake_engines[:3] == ["warm plain", "warm k=1", "warm adaptive"]
+    assert fake_engines.count("reset adaptive") == 3 * 3  # before each of its generations: 3 prompts x 3 reps
+    firsts = [fake_engines[i + 1] for i, c in enumerate(fake_engines) if c == "reset adaptive"]
+    assert firsts[:3] == ["plain", "k=1", "adaptive"]  # the first step of repetitions 1, 2, 3 of the first prompt
     code = runs["code"]["adaptive"]
     assert len(code) == 3 and all(len(rep["tokens"]) == 2 for rep in code)  # per repetition: one entry per prompt
-    assert code[0]["k_per_step"] == [2, 2, 2, 2] and code[0]["errors"] == []
-    assert runs["prose"]["plain"][0]["tokens"] == [[7, 8]]
-    assert all(rep["seconds"] > 0 for rep in code)
+    assert code[0]["k_per_step"] == [3] * 8 and code[0]["errors"] == []
+    assert runs["prose"]["plain"][0]["tokens"] == [[7] * 4]
 
 
 def test_shared_summary_gives_adaptive_over_the_best_fixed_configuration():
