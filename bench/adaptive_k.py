@@ -230,8 +230,9 @@ def measure(args, argv: list[str]) -> dict:
 def summarize(runs: dict) -> dict:
     """Per class: tok/s by wall clock and by process CPU time (the same tokens over the median seconds of each
     clock: on a shared machine the CPU clock is the one another process's load does not move), the best of plain
-    and the fixed k by each clock, adaptive over it, adaptive's k per step, and whether every run gave the same
-    tokens."""
+    and the fixed k by each clock, adaptive over it - as the ratio of the medians, and paired: the median over
+    repetitions of each repetition's ratio (the same tokens in both, so a ratio of times), which a slow repetition
+    moves less - adaptive's k per step, and whether every run gave the same tokens."""
     out = {}
     for cls, by_name in runs.items():
         reference = next(iter(by_name.values()))[0]["tokens"]
@@ -242,9 +243,14 @@ def summarize(runs: dict) -> dict:
             others = [n for n in rates if not n.startswith("adaptive")]
             best_name = max(others, key=rates.get) if others else None
             suffix = "" if clock == "wall" else "_cpu"
+            paired = None
+            if best_name and "adaptive" in rates:  # per repetition: the two ran side by side (lockstep: interleaved)
+                reps = zip(by_name["adaptive"], by_name[best_name])
+                paired = median([b.get(key, b["seconds"]) / a.get(key, a["seconds"]) for a, b in reps])
             summary.update({f"tok_s{suffix}": rates, f"best_fixed_or_plain{suffix}": best_name,
                             f"adaptive_over_best{suffix}": rates["adaptive"] / rates[best_name]
-                            if best_name and "adaptive" in rates else None})
+                            if best_name and "adaptive" in rates else None,
+                            f"adaptive_over_best_paired{suffix}": paired})
         out[cls] = {
             **summary,
             "seconds_per_rep": {n: [x["seconds"] for x in r] for n, r in by_name.items()},
@@ -305,11 +311,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens} tokens, median of {args.reps}, isolation {isolation}")
     for clock, suffix in (("wall clock", ""), ("process CPU time", "_cpu")):
         rows = [[cls, *(s[f"tok_s{suffix}"][n] for n in names), s[f"best_fixed_or_plain{suffix}"],
-                 s[f"adaptive_over_best{suffix}"], s["adaptive_k_per_step"], s["lossless"]]
-                for cls, s in summary.items()]
+                 s[f"adaptive_over_best{suffix}"], s[f"adaptive_over_best_paired{suffix}"], s["adaptive_k_per_step"],
+                 s["lossless"]] for cls, s in summary.items()]
         print(f"tok/s by {clock}")
-        print_table(rows, ["class", *(f"{n} tok/s" for n in names), "best", "adaptive / best", "adaptive k_per_step",
-                           "lossless"])
+        print_table(rows, ["class", *(f"{n} tok/s" for n in names), "best", "adaptive / best", "paired",
+                           "adaptive k_per_step", "lossless"])
     payload = {"machine": machine_info(), "args": {**vars(args), "isolation": isolation}, "summary": summary}
     name = (f"adaptive_k_{slug(args.target)}_{slug(args.draft or args.method)}_k{args.k}_t{args.threads}_{args.dtype}"
             f"{'_' + args.quantization if args.quantization else ''}"

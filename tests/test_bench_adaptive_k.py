@@ -90,6 +90,9 @@ def test_shared_summary_gives_adaptive_over_the_best_fixed_configuration():
     summary = adaptive_k.summarize(runs)["code"]
     assert summary["best_fixed_or_plain"] == "k=1"
     assert summary["adaptive_over_best"] == pytest.approx(2.0 / 2.2)  # medians: 2.0 s and 2.2 s for the same tokens
+    assert summary["adaptive_over_best_paired"] == pytest.approx(2.0 / 2.2)  # per rep: 2/2.2, 2.5/2.2, 1.5/9
+    runs["code"]["adaptive"] = reps([2.2, 2.75, 1.65])  # each repetition 10% slower than k=1's beside it
+    assert adaptive_k.summarize(runs)["code"]["adaptive_over_best_paired_cpu"] == pytest.approx(1 / 1.1)
     assert summary["adaptive_k_per_step"] == {3: 3, 4: 3} and summary["lossless"] is True
     runs["code"]["k=1"][0]["tokens"] = [[7, 8, 9, 11]]
     assert adaptive_k.summarize(runs)["code"]["lossless"] is False
