@@ -21,10 +21,10 @@ then generates every class's prompts; repetitions interleave the configurations 
 ``--old-python``, adaptive also runs under the previous commit's tree as ``adaptive@old``.
 
 Every generation: chat template, batch 1, greedy, ``ignore_eos``. Reported per class: tokens/s of each (generated
-tokens / the median over repetitions of the time of its ``generate`` calls, prefill included; by wall clock and by
-process CPU time), the best of plain and the fixed ks, and adaptive over that best (the issue's target: >= 0.97 on
-every class); adaptive's ``k_per_step`` histogram; and a check that every speculative configuration's tokens equal
-plain greedy decoding's (lossless; fp32).
+tokens / the median over repetitions of the time of its ``generate`` calls - shared: of its steps - prefill
+included; by wall clock and by process CPU time), the best of plain and the fixed ks, and adaptive over that best
+(the issue's target: >= 0.97 on every class), also paired per repetition; adaptive's ``k_per_step`` histogram; and
+a check that every speculative configuration's tokens equal plain greedy decoding's (lossless; fp32).
 Results: ``bench/out/adaptive_k_<target>_<draft>_k<K>_t<threads>_<dtype>[_<quant>].json`` (``--record``:
 ``bench/results/``).
 """
@@ -206,9 +206,20 @@ def measure_shared(args, names: list[str]) -> dict:
     return runs
 
 
-def measure(args, argv: list[str]) -> dict:
+def selected_configs(configs: str | None, k_max: int) -> list[str]:
+    """The configurations ``--configs`` names (all of :func:`config_names` when None); ``ValueError`` naming any
+    that is not one of them."""
+    allowed = config_names(k_max)
+    names = configs.split(",") if configs else allowed
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise ValueError(f"--configs {configs!r}: unknown configuration(s) {unknown}; allowed: {', '.join(allowed)}")
+    return names
+
+
+def measure(args, argv: list[str], names: list[str]) -> dict:
     """Every configuration once per repetition, each in its own process, in a rotating order."""
-    names = args.configs.split(",") if args.configs else config_names(args.k)
+    names = list(names)
     if args.old_python and "adaptive@old" not in names:
         names.append("adaptive@old")
     runs = {n: [] for n in names}
@@ -301,11 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     isolation = args.isolation or ("process" if args.old_python else "shared")
     if isolation == "shared" and args.old_python:
         parser.error("--old-python runs the previous tree in its own process: use --isolation process")
-    if isolation == "shared":
-        names = args.configs.split(",") if args.configs else config_names(args.k)
-        summary = summarize(measure_shared(args, names))
-    else:
-        summary = summarize(measure(args, argv))
+    try:
+        names = selected_configs(args.configs, args.k)
+    except ValueError as e:
+        parser.error(str(e))
+    summary = summarize(measure_shared(args, names) if isolation == "shared" else measure(args, argv, names))
     names = list(next(iter(summary.values()))["tok_s"])
     print(f"\n{args.target} / {args.draft or args.method}, greedy, {args.dtype}, {torch.get_num_threads()} thread(s), "
           f"{args.max_tokens} tokens, median of {args.reps}, isolation {isolation}")

@@ -132,3 +132,10 @@ def test_share_draft_weights_loads_each_draft_once_and_restores_the_loader(monke
     assert first is again and other is not first
     assert loads == [("/draft", "float32"), ("/draft", "float32")]
     assert factory.load_model is fake_load
+
+
+def test_configs_are_checked_against_the_known_ones():
+    assert adaptive_k.selected_configs(None, 2) == ["plain", "k=1", "k=2", "adaptive"]
+    assert adaptive_k.selected_configs("k=2,adaptive", 4) == ["k=2", "adaptive"]
+    with pytest.raises(ValueError, match=r"unknown configuration\(s\) \['k=5'\]; allowed: plain, k=1"):
+        adaptive_k.selected_configs("k=5,adaptive", 4)
