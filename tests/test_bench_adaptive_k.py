@@ -94,8 +94,12 @@ def test_shared_summary_gives_adaptive_over_the_best_fixed_configuration():
     runs["code"]["adaptive"] = reps([2.2, 2.75, 1.65])  # each repetition 10% slower than k=1's beside it
     assert adaptive_k.summarize(runs)["code"]["adaptive_over_best_paired_cpu"] == pytest.approx(1 / 1.1)
     assert summary["adaptive_k_per_step"] == {3: 3, 4: 3} and summary["lossless"] is True
+    assert summary["texts_part_at"] == {"plain": None, "k=1": None, "adaptive": None}
     runs["code"]["k=1"][0]["tokens"] = [[7, 8, 9, 11]]
-    assert adaptive_k.summarize(runs)["code"]["lossless"] is False
+    runs["code"]["adaptive"][2]["tokens"] = [[7, 5, 9, 10]]
+    parted = adaptive_k.summarize(runs)["code"]
+    assert parted["lossless"] is False
+    assert parted["texts_part_at"] == {"plain": None, "k=1": 3, "adaptive": 1}  # the earliest over repetitions
 
 
 def test_child_argv_drops_what_only_the_parent_reads():
