@@ -37,19 +37,33 @@ gone longest without (ties: the deeper) - so the costs and acceptances of every 
 found short windows slow (on CPU a 2- or 3-row float32 GEMM can cost as much as a 5-row one or more) therefore still
 finds a long k that pays: probing only k = 1 - what this module did before - could never climb out of k = 0 there.
 
-**Optimism.** Choices weigh each position's acceptance plus ``optimism`` (1) standard errors of its estimate,
+**Not off on a few rounds.** A request's first ``min_rounds`` (8) decisions draft - unless no drafting arm would pay
+even with every draft accepted, or that many of its rounds have been measured already - so it turns speculation off
+only on some evidence of its own. A plain step measures nothing, so a request
+that turned off on two or three unlucky rounds stayed off between sparse probes: on the Qwen pair in float32 a prose
+answer whose draft matched the target at 0.64 of positions (drafting pays from ~0.3) spent most of its first ~140
+steps plain.
+
+**Optimism.** Choices weigh each position's acceptance plus ``optimism`` (0.5) standard errors of its estimate,
 ``sqrt(r (1 - r) / (n + prior_weight))`` with n the rounds that ever reached the position (not decayed) - the
 upper-confidence rule of bandit problems. A position drafted rarely or never looks better than its point estimate,
 so a young request tries the longer chains early (one early rejection cannot park it at a short k, as it did when
 position 2 of a code prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as
-the request's own rounds accumulate. Reported acceptances (``position_acceptance``) are the point estimates.
+the request's own rounds accumulate. Half a standard error, not one: on prose, where positions 3-4 are rarely
+reached, a full one kept their bonus large and drafted long chains into hard stretches - replayed on 16 measured
+traces of the Qwen pair (tests/test_adaptive_traces.py) prose ran at 0.966 of the best fixed k with it, 0.983 with
+half. Reported acceptances (``position_acceptance``) are the point estimates. Counts decay by ``decay`` (0.97) per
+round that measures them: recent rounds weigh more, ~30 rounds' memory.
 
-**Exploration** keeps every arm measured while drafting too, so a one-off outlier is washed out rather than avoided
-forever (only the chosen arm is ever timed): every ``explore_every`` (16) decisions of a request that drafts, it
-takes the arm other than the best that this batch size has gone longest without (ties: the shallower, chains
-first). The schedule is deterministic (a decision counter per request, staggered across requests by their order of
-arrival; no clock, no randomness). Its overhead is 1 round in 16 at an arm off the best; with all drafts accepted
-and near-flat verify costs (the simulation in tests/test_adaptive.py) that is under 2% of throughput.
+**Exploration** keeps the arms around the best measured while drafting too, so a one-off outlier is washed out
+rather than avoided forever (only the chosen arm is ever timed): every ``explore_every`` (16) decisions of a request
+that drafts, it takes a *neighbour* of the best arm - one depth shorter or longer in the same kind, or the other
+kind (chain / tree) at the same depth - the one this batch size has gone longest without (ties: the shallower,
+chains first). A neighbour is valued close to the best, so a round spent there costs little; exploring every arm,
+as this module did before, spends some of those rounds far off (k = 4 on prose, k = 1 on code). An arm further away is
+still reached when it pays: the best moves to the neighbour once that measures better, and the next exploration
+looks past it; and a plain step's probes visit every drafting arm. The schedule is deterministic (a decision
+counter per request, staggered across requests by their order of arrival; no clock, no randomness).
 """
 
 from __future__ import annotations
@@ -83,6 +97,7 @@ class _RequestState:
     probe_gap: int = 2  # plain steps before the next probe: doubles per probe that changes nothing, to probe_every
     probes: int = 0
     decisions: int = 0  # choose() calls that could draft (cap >= 1)
+    rounds: int = 0  # drafted rounds observed (chains and trees)
     phase: int = 0  # staggers the exploration schedule across requests
 
 
@@ -90,10 +105,10 @@ class AdaptiveK:
     """Per-request choice of a plain step, a chain of k in [1, k_max] or a tree of depth d in [1, k_max], from
     per-position acceptance, measured tree yields and a cost model, with periodic probes and exploration."""
 
-    def __init__(self, k_max: int, cost_model: CostModel, probe_every: int = 16, decay: float = 0.9,
+    def __init__(self, k_max: int, cost_model: CostModel, probe_every: int = 16, decay: float = 0.97,
                  prior_accepted: float = 1.0, prior_rejected: float = 1.0, explore_every: int = 16,
                  prior_weight: float = 2.0, tree_nodes: Callable[[int], int] | None = None,
-                 adapt_depth: bool = True, optimism: float = 1.0):
+                 adapt_depth: bool = True, optimism: float = 0.5, min_rounds: int = 8):
         self.k_max = k_max
         self.cost_model = cost_model
         self.probe_every = probe_every
@@ -104,6 +119,7 @@ class AdaptiveK:
         self.tree_nodes = tree_nodes  # depth -> drafted nodes of the configured tree (None: chains only)
         self.adapt_depth = adapt_depth  # False: the depth stays at the cap (tree or chain there, never plain)
         self.optimism = optimism  # standard errors added to a position's acceptance when choosing (0 = none)
+        self.min_rounds = min_rounds  # decisions of a request that draft before it may turn speculation off
         self._state: dict[int, _RequestState] = {}
         self._requests = 0  # requests seen, for the exploration phase
         self._clock = 0  # decisions made, over all requests
@@ -178,7 +194,17 @@ class AdaptiveK:
         return self._best(seq_id, batch_size, self.arms(min(k_cap, self.k_max), trees=False)).depth
 
     def _best(self, seq_id: int, batch_size: int, arms: list[Arm]) -> Arm:
+        st = self._state.get(seq_id)
+        young = st is None or max(st.decisions, st.rounds) < self.min_rounds  # steps or measured rounds
+        if young and self._could_pay(batch_size, arms):
+            arms = [a for a in arms if a.depth]  # too young to turn off on its few rounds
         return max(arms, key=lambda a: (self.value(seq_id, batch_size, a), -a.depth, -a.tree))  # ties: shallower
+
+    def _could_pay(self, batch_size: int, arms: list[Arm]) -> bool:
+        """Some drafting arm beats a plain step if every draft is accepted (d + 1 tokens a round)."""
+        cm = self.cost_model
+        return any((a.depth + 1) / (a.depth * cm.draft_cost(batch_size) + cm.verify_cost(a.depth, batch_size)) > 1.0
+                   for a in arms if a.depth and not a.tree)
 
     def choose(self, seq_id: int, batch_size: int, k_cap: int) -> int:
         """The chain length to draft this step (0 = a plain step); chains only."""
@@ -209,7 +235,7 @@ class AdaptiveK:
         else:
             st.steps_off = 0
             st.probe_gap = 2
-            others = [a for a in drafting if a != best]
+            others = [a for a in drafting if a != best and _neighbours(a, best)]
             if self.explore_every and others and (st.decisions + st.phase) % self.explore_every == 0:
                 arm = min(others, key=lambda a: (self._last_chosen.get((batch_size, a), -1), a.tree, a.depth))
         if arm.depth:
@@ -224,6 +250,7 @@ class AdaptiveK:
         if drafted == 0:
             return
         st = self._request(seq_id)
+        st.rounds += 1
         if tree:
             d = min(drafted, self.k_max) - 1
             st.tree_rounds[d] = st.tree_rounds[d] * self.decay + 1.0
@@ -246,3 +273,8 @@ class AdaptiveK:
 
     def free(self, seq_id: int) -> None:
         self._state.pop(seq_id, None)
+
+
+def _neighbours(a: Arm, b: Arm) -> bool:
+    """One depth apart in the same kind (chain or tree), or the same depth in the other kind."""
+    return (a.tree == b.tree and abs(a.depth - b.depth) == 1) or (a.depth == b.depth and a.tree != b.tree)
