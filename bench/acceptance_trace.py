@@ -27,6 +27,14 @@ from bench.common import PROMPT_CLASSES, chat_token_ids, load_prompts, resolve_m
 from specdec.training.features import target_features
 
 
+def accepted_run(match: str | list[int], pos: int, k: int) -> int:
+    """Drafts a chain round of ``k`` starting at text position ``pos`` accepts: the run of matches from there."""
+    accepted = 0
+    while accepted < k and pos + accepted < len(match) and int(match[pos + accepted]):
+        accepted += 1
+    return accepted
+
+
 def draft_matches(draft_engine, prompt_ids: list[int], text: list[int]) -> list[int]:
     """``match[p]`` (0/1, len(text)): the draft's greedy token after prompt + text[:p] is text[p] (one prefill)."""
     argmax = target_features(draft_engine, [prompt_ids + text], (1,), torch.float32)[0]["argmax"].tolist()

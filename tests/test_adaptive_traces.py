@@ -13,6 +13,7 @@ from statistics import mean
 
 import pytest
 
+from bench.acceptance_trace import accepted_run
 from specdec.spec_decode.adaptive import AdaptiveK
 
 TRACES = json.loads((Path(__file__).parent / "data" / "acceptance_traces_qwen.json").read_text())
@@ -36,9 +37,7 @@ def replay(match: str, choose) -> float:
     pos, ms = 1, 0.0
     while pos < len(match):
         k = choose.next_k()
-        accepted = 0
-        while accepted < k and pos + accepted < len(match) and match[pos + accepted] == "1":
-            accepted += 1
+        accepted = accepted_run(match, pos, k)
         choose.observe(k, accepted)
         pos += accepted + 1
         ms += STEP_MS[k]

@@ -5,7 +5,7 @@ import pytest
 from tiny_models import make_tiny_model
 
 import specdec
-from bench.acceptance_trace import draft_matches
+from bench.acceptance_trace import accepted_run, draft_matches
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,7 @@ def test_matches_price_every_round_of_a_fixed_k_chain(pair):
     assert spec_text == text
     pos, accepted = 1, 0  # the first token comes from the prefill
     while pos < len(text):
-        a = 0
-        while a < k and pos + a < len(text) and match[pos + a]:
-            a += 1
+        a = accepted_run(match, pos, k)
         accepted += a
         pos += a + 1
     assert metrics["accepted"] == accepted

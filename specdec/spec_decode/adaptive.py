@@ -51,7 +51,7 @@ so a young request tries the longer chains early (one early rejection cannot par
 position 2 of a code prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as
 the request's own rounds accumulate. Half a standard error, not one: on prose, where positions 3-4 are rarely
 reached, a full one kept their bonus large and drafted long chains into hard stretches - replayed on 16 measured
-traces of the Qwen pair (tests/test_adaptive_traces.py) prose ran at 0.966 of the best fixed k with it, 0.983 with
+traces of the Qwen pair (tests/test_adaptive_traces.py) prose ran at 0.966 of the best fixed k with it, 0.984 with
 half. Reported acceptances (``position_acceptance``) are the point estimates. Counts decay by ``decay`` (0.97) per
 round that measures them: recent rounds weigh more, ~30 rounds' memory.
 

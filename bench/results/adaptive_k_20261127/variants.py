@@ -40,7 +40,7 @@ def new_engine(args, name):
         cls = kw.pop("cls", None)
         no_overhead = kw.pop("no_overhead", False)
         import importlib.util
-        spec_ = importlib.util.spec_from_file_location("adaptive_old", "/tmp/exp/adaptive_old.py"); mod = importlib.util.module_from_spec(spec_); sys.modules["adaptive_old"] = mod; spec_.loader.exec_module(mod)
+        spec_ = importlib.util.spec_from_file_location("adaptive_old", "bench/results/adaptive_k_20261127/adaptive_old.py"); mod = importlib.util.module_from_spec(spec_); sys.modules["adaptive_old"] = mod; spec_.loader.exec_module(mod)
         K = {"force4": Force4, "cycle23": Cycle23, "force2": Force2, "old": mod.AdaptiveK}.get(cls, AdaptiveK)
         def make(dec=dec, kw=kw, K=K, no_overhead=no_overhead):
             if no_overhead:
