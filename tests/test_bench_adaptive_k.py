@@ -63,6 +63,11 @@ def test_lockstep_steps_the_engine_furthest_behind_and_resets_adaptive_before_ea
     assert {n: len(o["tokens"]) for n, o in out.items()} == {"plain": 4, "k=1": 4, "adaptive": 4}
     assert out["adaptive"]["k_per_step"] == [3] * 4 and out["plain"]["error"] is None
     assert all(o["seconds"] >= 0 and o["cpu_seconds"] >= 0 for o in out.values())
+    # the first two steps of each are its prompt step and first decode step (a draft reads the prompt there); the
+    # rest are decode steps filed under the k granted there
+    assert {n: {k: len(s) for k, s in o["decode_cpu_seconds"].items()} for n, o in out.items()} == {
+        "plain": {0: 2}, "k=1": {}, "adaptive": {}}
+    assert all(o["prefill_cpu_seconds"] >= 0 for o in out.values())
     fake_engines.clear()
     adaptive_k.generate_lockstep(engines, [1], params, ["adaptive", "k=1", "plain"])
     assert fake_engines[:4] == ["reset adaptive", "adaptive", "k=1", "plain"]  # ties follow the rotated order
@@ -143,3 +148,27 @@ def test_configs_are_checked_against_the_known_ones():
     assert adaptive_k.selected_configs("k=2,adaptive", 4) == ["k=2", "adaptive"]
     with pytest.raises(ValueError, match=r"unknown configuration\(s\) \['k=5'\]; allowed: plain, k=1"):
         adaptive_k.selected_configs("k=5,adaptive", 4)
+
+
+def test_priced_ratio_prices_every_decode_step_at_the_median_time_of_its_k():
+    def rep(prefill, steps, tokens=4):
+        return {"seconds": 1.0, "cpu_seconds": 1.0, "tokens": [[7] * tokens], "k_per_step": [], "errors": [],
+                "prefill_cpu_seconds": prefill, "decode_cpu_seconds": steps}
+
+    runs = {"code": {
+        "plain": [rep(0.5, {0: [1.0, 1.0, 1.0]})],
+        "k=2": [rep(0.6, {2: [1.5, 1.5]})],  # median 1.5 s a step at k = 2
+        "k=4": [rep(0.6, {4: [2.0, 9.0, 2.0]})],  # one slow step: median 2.0 s, measured 13 s
+        "adaptive": [rep(0.6, {2: [3.0], 4: [2.0, 2.0]})],  # its k = 2 step slow (3 s): priced 1.5 s
+    }}
+    s = adaptive_k.summarize(runs)["code"]
+    # priced: plain 0.5 + 3 * 1.0 = 3.5 (the best), k=2 0.6 + 2 * 1.5 = 3.6, k=4 0.6 + 3 * 2.0 = 6.6 (measured
+    # 13.6); adaptive 0.6 + 1.5 + 2 * 2.0 = 6.1
+    assert s["best_priced"] == "plain"
+    assert s["adaptive_over_best_priced"] == pytest.approx(3.5 / 6.1)
+    assert s["adaptive_step_over_fixed"] == {2: pytest.approx(2.0), 4: pytest.approx(1.0)}
+    runs["code"]["adaptive"][0]["decode_cpu_seconds"] = {3: [1.8]}  # a k no fixed configuration took: its own
+    assert adaptive_k.summarize(runs)["code"]["adaptive_over_best_priced"] == pytest.approx(3.5 / 2.4)
+    for r in runs["code"].values():  # process isolation records no steps: no priced ratio
+        r[0].pop("decode_cpu_seconds")
+    assert adaptive_k.summarize(runs)["code"]["adaptive_over_best_priced"] is None

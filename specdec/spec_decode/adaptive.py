@@ -11,9 +11,18 @@ step (~0 for model-free drafters) and v(k) the target's cost for k+1 tokens per 
 there was accepted: a round that drafted d tokens and accepted a reached positions 1..min(a + 1, d). Each request
 keeps decayed counts per position (reached, accepted; a position forgets only as it is measured again), so r_j is
 known at every position any round has reached, also from rounds that drafted fewer than k tokens; a position with
-little data leans on the request's pooled acceptance (all positions together; 0.5 before anything is known) with
-the weight of ``prior_weight`` rounds. A structured prefix with a free tail (acceptance 1.0 at position 1, 0.2 at
-position 4) is then priced per position instead of by one average.
+little data leans on the request's pooled acceptance (all positions together) with the weight of ``prior_weight``
+rounds. A structured prefix with a free tail (acceptance 1.0 at position 1, 0.2 at position 4) is then priced per
+position instead of by one average.
+
+**The prior: 2/3 before anything is known** (``prior_accepted`` 2, ``prior_rejected`` 1: three rounds' worth of a
+draft accepted two times in three - the range a draft model is chosen for; the Qwen pair's draft matches its
+target at 0.61-0.77 of prose positions and 0.81-1.0 of structured ones). With 1:1 (0.5, before) a young request
+started at k = 2 on the float32 Qwen pair and one rejection sent it back there, so a structured answer spent its
+first rounds climbing to k = 4; prose's first rounds, often its hardest, pulled the estimate under the break-even
+and turned speculation off for dozens of steps. End to end (float32, 128 tokens, 3 repetitions, lockstep;
+docs/benchmarks.md "Adaptive k, 2026-11-28") 2:1 against 1:1: code 1.005 / 1.006, json 1.008 / 0.953, copy 0.975 /
+0.947, prose 0.994 / 0.876 of the best fixed k.
 
 **Trees** (``tree_nodes`` given: the configured tree's drafted nodes at depth d). A tree of depth d emits ``T(d)``
 tokens per round, estimated per request as the decayed mean of its tree rounds at that depth, leaning (weight
@@ -51,9 +60,10 @@ so a young request tries the longer chains early (one early rejection cannot par
 position 2 of a code prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as
 the request's own rounds accumulate. Half a standard error, not one: on prose, where positions 3-4 are rarely
 reached, a full one kept their bonus large and drafted long chains into hard stretches - replayed on 16 measured
-traces of the Qwen pair (tests/test_adaptive_traces.py) prose ran at 0.966 of the best fixed k with it, 0.984 with
-half. Reported acceptances (``position_acceptance``) are the point estimates. Counts decay by ``decay`` (0.97) per
-round that measures them: recent rounds weigh more, ~30 rounds' memory.
+traces of the Qwen pair (tests/test_adaptive_traces.py) prose ran at 0.970 of the best fixed k with it, 0.987 with
+half (0.966 and 0.984 with the 1:1 prior). Reported acceptances (``position_acceptance``) are the point
+estimates. Counts decay by ``decay`` (0.97) per round that measures them: recent rounds weigh more, ~30 rounds'
+memory.
 
 **Exploration** keeps the arms around the best measured while drafting too, so a one-off outlier is washed out
 rather than avoided forever (only the chosen arm is ever timed): every ``explore_every`` (16) decisions of a request
@@ -106,7 +116,7 @@ class AdaptiveK:
     per-position acceptance, measured tree yields and a cost model, with periodic probes and exploration."""
 
     def __init__(self, k_max: int, cost_model: CostModel, probe_every: int = 16, decay: float = 0.97,
-                 prior_accepted: float = 1.0, prior_rejected: float = 1.0, explore_every: int = 16,
+                 prior_accepted: float = 2.0, prior_rejected: float = 1.0, explore_every: int = 16,
                  prior_weight: float = 2.0, tree_nodes: Callable[[int], int] | None = None,
                  adapt_depth: bool = True, optimism: float = 0.5, min_rounds: int = 8):
         self.k_max = k_max
