@@ -15,14 +15,14 @@ little data leans on the request's pooled acceptance (all positions together) wi
 rounds. A structured prefix with a free tail (acceptance 1.0 at position 1, 0.2 at position 4) is then priced per
 position instead of by one average.
 
-**The prior: 2/3 before anything is known** (``prior_accepted`` 2, ``prior_rejected`` 1: three rounds' worth of a
-draft accepted two times in three - the range a draft model is chosen for; the Qwen pair's draft matches its
-target at 0.61-0.77 of prose positions and 0.81-1.0 of structured ones). With 1:1 (0.5, before) a young request
-started at k = 2 on the float32 Qwen pair and one rejection sent it back there, so a structured answer spent its
-first rounds climbing to k = 4; prose's first rounds, often its hardest, pulled the estimate under the break-even
-and turned speculation off for dozens of steps. End to end (float32, 128 tokens, 3 repetitions, lockstep;
-docs/benchmarks.md "Adaptive k, 2026-11-28") 2:1 against 1:1: code 1.005 / 1.006, json 1.008 / 0.953, copy 0.975 /
-0.947, prose 0.994 / 0.876 of the best fixed k.
+**The prior: 2/3 before anything is known** (``prior_accepted`` 2, ``prior_rejected`` 1: pseudo-counts of drafts in
+the pooled estimate, a draft accepted two times in three - the range a draft model is chosen for; the Qwen pair's
+draft matches its target at 0.63-0.76 of prose positions and 0.81-1.0 of structured ones in the 16 traces). With 1:1
+(0.5, before) a young request started at k = 2 on the float32 Qwen pair and one rejection sent it back there, so a
+structured answer spent its first rounds climbing to k = 4; prose's first rounds, often its hardest, pulled the
+estimate under the break-even and turned speculation off for dozens of steps. End to end (float32, 128 tokens, 3
+repetitions, lockstep; docs/benchmarks.md "Adaptive k, 2026-11-28") 2:1 against 1:1: code 1.005 / 1.006, json 1.008
+/ 0.953, copy 0.975 / 0.947, prose 0.994 / 0.876 of the best fixed k.
 
 **Trees** (``tree_nodes`` given: the configured tree's drafted nodes at depth d). A tree of depth d emits ``T(d)``
 tokens per round, estimated per request as the decayed mean of its tree rounds at that depth, leaning (weight
