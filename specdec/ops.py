@@ -19,6 +19,9 @@ from specdec.kernels import block_verify as _block_verify
 from specdec.kernels import kv_compact as _kv_compact
 from specdec.kernels import paged_attention as _attention
 from specdec.kernels import paged_attention_reference as _attention_reference
+from specdec.kernels import rms_norm as _rms_norm
+from specdec.kernels import rope_kv as _rope_kv
+from specdec.kernels import silu_mul as _silu_mul
 from specdec.kernels import softmax as _softmax
 from specdec.kernels import spec_sample as _spec_sample
 from specdec.kernels import top_k_top_p as _top_k_top_p
@@ -58,6 +61,15 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
+def fuse_forward(x: torch.Tensor) -> bool:
+    """True iff the model forward's elementwise ops (norms, rope + K/V write, SiLU-mul) on ``x`` should run their
+    fused Triton kernels: ``use_triton(x)``, except while ``torch.compile`` traces (Inductor fuses the torch
+    references itself: the two strategies the GPU benchmark compares) and under autograd (the kernels have no
+    backward; EAGLE-3 head training runs the references)."""
+    return use_triton(x) and not torch.compiler.is_dynamo_compiling() and not (torch.is_grad_enabled()
+                                                                                 and x.requires_grad)
+
+
 def _launcher(module, name: str):
     """The module's Triton launcher, or a clear error if the kernel is not there."""
     fn = getattr(module, name, None)
@@ -95,6 +107,39 @@ def paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, uniform_q_len, scale)
     fn = _launcher(_attention, "paged_attention") if use_triton(q) else _attention.paged_attention_reference
     return fn(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x [T, hidden]`` (model dtype) with ``weight [hidden]``; see ``specdec.kernels.rms_norm``."""
+    if fuse_forward(x) and x.ndim == 2 and weight.dtype == x.dtype:
+        return _launcher(_rms_norm, "fused_add_rms_norm")(x, weight, eps)[0]
+    return _rms_norm.rms_norm_reference(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(stream), stream)`` with ``stream = x + residual`` (``x`` alone when ``residual`` is None), all
+    ``[T, hidden]`` in the model dtype. The fused kernel writes ``stream`` into ``residual``'s storage: use the
+    returned stream, never the old ``residual``. See ``specdec.kernels.rms_norm``."""
+    if fuse_forward(x) and x.ndim == 2 and weight.dtype == x.dtype:
+        return _launcher(_rms_norm, "fused_add_rms_norm")(x, weight, eps, residual)
+    return _rms_norm.fused_add_rms_norm_reference(x, weight, eps, residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate/up projection ``[T, 2I] -> [T, I]``; see ``specdec.kernels.silu_mul``."""
+    if fuse_forward(gate_up) and gate_up.ndim == 2:
+        return _launcher(_silu_mul, "silu_mul")(gate_up)
+    return _silu_mul.silu_mul_reference(gate_up)
+
+
+def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                  num_kv_heads: int) -> torch.Tensor:
+    """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) * D]``, write k and v into their cache slots, return ``q [T, Hq,
+    D]``; see ``specdec.kernels.rope_kv``."""
+    fn = _launcher(_rope_kv, "rope_write_kv") if fuse_forward(qkv) else _rope_kv.rope_write_kv_reference
+    return fn(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
 
 def kv_compact(caches: Sequence[torch.Tensor], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

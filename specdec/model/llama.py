@@ -22,7 +22,7 @@ from specdec.distributed.comm import TPGroup
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.distributed.sharding import ShardLayout
 from specdec.model.config import ModelConfig
-from specdec.model.linear import Linear, dynamo_tracing
+from specdec.model.linear import Linear
 from specdec.model.rope import RotaryEmbedding
 from specdec.model.safetensors_reader import TensorEntry
 
@@ -43,26 +43,6 @@ class AttentionMetadata:
     uniform_q_len: int | None = None
 
 
-def _write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-    """Store ``k, v [T, Hkv, D]`` at the flat slots ``slot_mapping`` (int64 ``[T]``) of
-    ``k_cache, v_cache [num_blocks, block_size, Hkv, D]``, in place."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = v.to(v_cache.dtype)
-
-
-@torch.library.custom_op("specdec::write_kv", mutates_args=("k_cache", "v_cache"))
-def _write_kv_op(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> None:
-    _write_kv(k_cache, v_cache, slot_mapping, k, v)
-
-
-@_write_kv_op.register_fake
-def _(k_cache, v_cache, slot_mapping, k, v) -> None:
-    return None
-
-
 def _capture_layer(x: torch.Tensor, layer: int, aux_layers: tuple[int, ...], aux: torch.Tensor) -> None:
     """Copy ``x [T, hidden]`` (the residual stream entering ``layer``) into every column block of ``aux [T,
     len(aux_layers) * hidden]`` whose id in ``aux_layers`` is ``layer``."""
@@ -79,9 +59,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(self(stream), stream)`` with ``stream = x + residual`` (``x`` when ``residual`` is None): the residual
+        add before the norm, fused on a GPU (``ops.add_rms_norm``; ``residual``'s storage may be reused)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -112,19 +95,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
-        q, k = self.rope(q, k, positions)
-        # Write the new K/V into their slots, then attend over each sequence's whole context.
-        if dynamo_tracing():
-            # NOTE: an opaque in-place op under torch.compile: traced as plain indexing, the write to a view of the
-            # pool is functionalised into a copy of the whole pool per layer (a tiny llama's compiled decode went
-            # from 1.1 ms to 260 ms with a 20000-block pool); the custom op is re-inplaced by Inductor.
-            torch.ops.specdec.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-        else:
-            _write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        # Rotate q and k, write the new K/V into their slots (one fused kernel on a GPU), then attend over each
+        # sequence's whole context.
+        q = ops.rope_write_kv(self.qkv_proj(x), positions, self.rope.cos, self.rope.sin, k_cache, v_cache,
+                              meta.slot_mapping, self.num_heads, self.num_kv_heads)  # (T, Hq, D)
         out = ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q_lens, self.scale,
             meta.tree_mask, meta.tree_mask_indptr, uniform_q_len=meta.uniform_q_len,
@@ -146,8 +120,8 @@ class MLP(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # each (T, I / N)
-        out = self.down_proj(nn.functional.silu(gate) * up)  # (T, hidden): this rank's share
+        gate_up = self.gate_up_proj(x)  # (T, 2 * I / N): gate, then up
+        out = self.down_proj(ops.silu_mul(gate_up))  # (T, hidden): this rank's share
         return out if self.group is None else self.group.all_reduce(out)
 
 
@@ -159,9 +133,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config, layout, group)
 
-    def forward(self, x, positions, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, k_cache, v_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, stream)``, each ``[T, hidden]``: the residual stream leaving this layer is ``mlp_out +
+        stream``, left unsummed so that the next layer's norm fuses the add (vLLM's layout). The stream entering it
+        is ``x + residual`` (``x`` alone for the first layer: ``residual`` None). The same operations as ``s = s +
+        attn(norm(s)); s = s + mlp(norm(s))``; on the CPU the same values bit for bit."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, positions, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -269,10 +249,12 @@ class LlamaForCausalLM(nn.Module):
                  capture: tuple[tuple[int, ...], torch.Tensor] | None = None) -> torch.Tensor:
         k_caches, v_caches = kv_cache
         x = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None  # the residual stream is x + residual (x alone before the first layer)
         for i, layer in enumerate(self.layers):
             if capture is not None:
-                _capture_layer(x, i, *capture)
-            x = layer(x, positions, k_caches[i], v_caches[i], meta)
+                _capture_layer(x if residual is None else x + residual, i, *capture)
+            x, residual = layer(x, residual, positions, k_caches[i], v_caches[i], meta)
+        x = x if residual is None else x + residual  # (T, hidden), the last layer's output
         if capture is not None:
             _capture_layer(x, len(self.layers), *capture)
         return x  # (T, hidden), before the final norm

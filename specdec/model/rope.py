@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from specdec.kernels.rope_kv import apply_rope_reference
 from specdec.model.config import ModelConfig, RopeScaling
 
 
@@ -55,11 +56,4 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]`` (int64)."""
-        cos = self.cos[positions][:, None, :].to(q.dtype)  # (T, 1, D)
-        sin = self.sin[positions][:, None, :].to(q.dtype)  # (T, 1, D)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return apply_rope_reference(q, k, self.cos, self.sin, positions)
