@@ -30,6 +30,8 @@ from specdec.kernels import tree_sample as _tree_sample
 # None: by device (the kernel on CUDA, the reference elsewhere); "triton" / "reference": forced by the innermost
 # active force_triton() / force_reference() context.
 _forced: str | None = None
+# False inside fused_forward(False): the forward's elementwise ops run their torch references even on CUDA.
+_fuse_forward = True
 
 
 @contextlib.contextmanager
@@ -61,13 +63,25 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda
 
 
+@contextlib.contextmanager
+def fused_forward(enabled: bool) -> Iterator[None]:
+    """``fused_forward(False)``: inside it the model forward's elementwise ops run their torch references even on
+    CUDA - the unfused forward, so one GPU run can time both (bench.gpu's breakdown step). Other ops unaffected."""
+    global _fuse_forward
+    previous, _fuse_forward = _fuse_forward, enabled
+    try:
+        yield
+    finally:
+        _fuse_forward = previous
+
+
 def fuse_forward(x: torch.Tensor) -> bool:
     """True iff the model forward's elementwise ops (norms, rope + K/V write, SiLU-mul) on ``x`` should run their
-    fused Triton kernels: ``use_triton(x)``, except while ``torch.compile`` traces (Inductor fuses the torch
-    references itself: the two strategies the GPU benchmark compares) and under autograd (the kernels have no
-    backward; EAGLE-3 head training runs the references)."""
-    return use_triton(x) and not torch.compiler.is_dynamo_compiling() and not (torch.is_grad_enabled()
-                                                                                 and x.requires_grad)
+    fused Triton kernels: ``use_triton(x)``, except inside ``fused_forward(False)``, while ``torch.compile`` traces
+    (Inductor fuses the torch references itself: the two strategies the GPU benchmark compares) and under autograd
+    (the kernels have no backward; EAGLE-3 head training runs the references)."""
+    return (_fuse_forward and use_triton(x) and not torch.compiler.is_dynamo_compiling()
+            and not (torch.is_grad_enabled() and x.requires_grad))
 
 
 def _launcher(module, name: str):

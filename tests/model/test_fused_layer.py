@@ -103,3 +103,7 @@ def test_forced_triton_forward_runs_the_fused_kernels_and_matches(tiny_path, mon
     # two norms per layer and the final one; one SiLU-mul and one rope + K/V write per layer
     assert calls == {"fused_add_rms_norm": 2 * layers + 1, "silu_mul": layers, "rope_write_kv": layers}
     torch.testing.assert_close(forced, reference, rtol=1e-4, atol=1e-4)
+    before = dict(calls)
+    with torch.inference_mode(), ops.force_triton(), ops.fused_forward(False):
+        model.forward(ids, positions, _pool(config, torch.float32), meta, rows)
+    assert calls == before  # fused_forward(False): the unfused forward, for a before/after on one GPU
