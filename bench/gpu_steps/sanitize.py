@@ -2,7 +2,8 @@
 
 Paged attention as a decode over a long context at batch 1 (the split-KV / flash-decoding path, with its reduce
 kernel; once with the launcher's own split count, once with an explicit one), as a batch of verification windows
-with a tree mask, and as a prefill chunk next to decodes; then softmax, top-k/top-p/min-p and spec_sample.
+with a tree mask, and as a prefill chunk next to decodes; then softmax, top-k/top-p/min-p and spec_sample; then the
+fused forward kernels (RMSNorm with and without the residual add, SiLU-mul, rope + paged K/V write).
 Outputs are compared with the references so a kernel that reads garbage also shows up. Dry run: the same calls on
 CPU through the Triton interpreter (``ops.force_triton()``) with tiny shapes.
 """
@@ -19,6 +20,9 @@ from bench.kernels.bench_spec_sample import make_inputs as spec_inputs
 from bench.kernels.bench_spec_sample import sampling_settings, standardize_reference, verify_args
 from specdec import ops
 from specdec.kernels import paged_attention as pa
+from specdec.kernels.rms_norm import fused_add_rms_norm_reference
+from specdec.kernels.rope_kv import rope_write_kv_reference
+from specdec.kernels.silu_mul import silu_mul_reference
 from specdec.kernels.softmax import softmax_with_temperature_reference
 from specdec.kernels.spec_sample import spec_sample_reference
 
@@ -29,6 +33,37 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     print(f"{name}: max abs err {err:.3g} (tol {tol:g}) {status}", flush=True)
     if status != "ok":
         raise SystemExit(f"{name}: kernel output differs from the reference")
+
+
+def fused_forward_kernels(dev: str, small: bool, dtype: torch.dtype, tol: float) -> None:
+    """The forward's fused kernels once each, at the Llama-3.2-3B shape (tiny on CPU), against their references.
+    Norm and SiLU-mul may differ from the reference by two bf16 ulp of their largest values (0.125 at 8-16); rope
+    rounds as the reference does (exact)."""
+    loose = tol if small else 0.13
+    tokens, hidden, inter, hq, hkv, d = (3, 64, 96, 4, 2, 16) if small else (40, 3072, 8192, 24, 8, 128)
+    x = torch.randn(tokens, hidden, device=dev).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, device=dev)).to(dtype)
+    residual = torch.randn(tokens, hidden, device=dev).to(dtype)
+    check("rms_norm", ops.rms_norm(x, weight, 1e-5), fused_add_rms_norm_reference(x, weight, 1e-5)[0], loose)
+    ref_out, ref_stream = fused_add_rms_norm_reference(x, weight, 1e-5, residual)
+    out, stream = ops.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    check("add_rms_norm out", out, ref_out, loose)
+    check("add_rms_norm stream", stream, ref_stream, 0)
+    gate_up = torch.randn(tokens, 2 * inter, device=dev).to(dtype)
+    check("silu_mul", ops.silu_mul(gate_up), silu_mul_reference(gate_up), loose)
+    num_blocks, block_size, max_pos = (8, 4, 64) if small else (512, 16, 4096)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, device=dev).to(dtype)
+    positions = torch.randint(0, max_pos, (tokens,), device=dev)
+    slots = torch.randperm(num_blocks * block_size, device=dev)[:tokens]
+    freqs = torch.outer(torch.arange(max_pos, device=dev).float(),
+                        1.0 / (1e4 ** (torch.arange(0, d, 2, device=dev).float() / d)))
+    cos, sin = torch.cat([freqs, freqs], -1).cos().contiguous(), torch.cat([freqs, freqs], -1).sin().contiguous()
+    caches = [torch.zeros(num_blocks, block_size, hkv, d, device=dev, dtype=dtype) for _ in range(4)]
+    q = ops.rope_write_kv(qkv, positions, cos, sin, caches[0], caches[1], slots, hq, hkv)
+    q_ref = rope_write_kv_reference(qkv, positions, cos, sin, caches[2], caches[3], slots, hq, hkv)
+    check("rope_write_kv q", q, q_ref, 0 if not small else tol)
+    check("rope_write_kv k cache", caches[0], caches[2], 0 if not small else tol)
+    check("rope_write_kv v cache", caches[1], caches[3], 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         check("spec_sample tokens", out, ref_out, 0)
         check("spec_sample num_accepted", acc, ref_acc, 0)
         assert not bad.any()
+        fused_forward_kernels(dev, small, dtype, tol)
     if dev == "cuda":
         torch.cuda.synchronize()
     print("sanitize script done", flush=True)
