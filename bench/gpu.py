@@ -13,9 +13,9 @@ never measures the Triton interpreter or the CPU. Each step is its own subproces
 hang or crash loses only that step; the limits share ``--budget-s`` (default 1500 s) by weight, and time a step
 leaves unused goes to the steps after it. Steps, in this order: env (always), e2e (the headline: first, and with
 ``--budget-s 560`` about 350 s of it; its GPU plan is sized to fit one 600 s device call - an estimate, not yet
-measured: ~135 s on an H200), tests, sanitizer, kernels, quant, then summary (always); ``--only`` picks among e2e,
-tests, sanitizer, kernels and quant (e.g. ``--only tests sanitizer kernels quant`` for a second call). At most 8
-files in DIR:
+measured: ~135 s on an H200), tests, sanitizer, kernels, quant, breakdown, then summary (always); ``--only`` picks
+among e2e, tests, sanitizer, kernels, quant and breakdown (e.g. ``--only tests sanitizer kernels quant breakdown``
+for a second call). At most 8 files in DIR:
 
   summary.md    the run as Markdown: device, versions, commit, each step's status / exit code / time, tables
   env.json      machine and versions, the CUDA probe, and the run record (steps, limits, layout)
@@ -26,11 +26,18 @@ files in DIR:
   tests.log     pytest -m gpu tests/gpu and tests/kernels -k "cuda and not gpu_compile", compiled for real, then
                 compute-sanitizer memcheck over bench/gpu_steps/sanitize.py (every kernel once)
   kernels.json  bandwidth vs a measured device-to-device copy; paged attention vs SDPA (the backend that ran
-                recorded) on contiguous KV; do_bench medians
+                recorded) on contiguous KV; do_bench medians and CUDA-graph replay times (launch overhead apart);
+                under "breakdown", the breakdown step's per-kernel-group GPU time of decode steps and a speculative
+                round replayed from the engine's CUDA graphs, against their memory bound
   quant.json    int8 / int4 weight-only linears: the Triton kernel vs bf16 cuBLAS on Llama-3.2-1B/3B linears at
                 1/5/16 rows (error vs its torch reference), engine plain decode bf16 / int8 / int4 and an int4
                 self-draft
   steps.log     the env, e2e, kernels, quant and summary steps' output
+
+``real`` (bench/gpu_steps/real.py: SmolLM2-135M's real weights, plain vs prompt lookup vs n-gram drafting on the
+repository's prompts) is opt-in: it runs only when ``--only`` names it, in a call of its own (``--only real``: env,
+real, summary; it writes real.json), after its weights have been carried to the machine in chunks
+(bench/gpu_weights.py has the device calls).
 
 ``--dry-run`` runs the same steps on CPU (CUDA hidden, ``TRITON_INTERPRET=1``) with tiny shapes in seconds; what
 needs CUDA says "skipped: no CUDA". Nothing but the standard library is imported here, so this file runs whatever
@@ -61,9 +68,12 @@ STEPS = {
     "sanitizer": (100, 120),
     "kernels": (150, 120),
     "quant": (150, 120),
+    "breakdown": (150, 120),
+    "real": (500, 120),  # opt-in (OPT_IN): with --only real --budget-s 560 it gets ~490 s
     "summary": (40, 60),
 }
-OPTIONAL = ["e2e", "tests", "sanitizer", "kernels", "quant"]
+OPTIONAL = ["e2e", "tests", "sanitizer", "kernels", "quant", "breakdown", "real"]
+OPT_IN = ["real"]  # run only when --only names them (real needs its weights carried first: bench/gpu_weights.py)
 ENV_FLOOR_S = 60.0  # importing torch and triton cold on a fresh VM
 NO_CUDA = "not run: no CUDA (the orchestrator's probe found none); on a machine without a GPU use --dry-run"
 LOGS = {"tests": "tests.log", "sanitizer": "tests.log"}  # the others append to steps.log (8 files at most)
@@ -163,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    stale_files = ["summary.md", "env.json", "kernels.json", "e2e.json", "quant.json", "profile.txt", "steps.log"]
+    stale_files = ["summary.md", "env.json", "kernels.json", "e2e.json", "quant.json", "profile.txt", "steps.log",
+                   "real.json"]
     for stale in [*stale_files, *set(LOGS.values())]:
         (out / stale).unlink(missing_ok=True)
-    selected = ["env", *(s for s in OPTIONAL if args.only is None or s in args.only), "summary"]
+    selected = ["env", *(s for s in OPTIONAL if (s in args.only if args.only else s not in OPT_IN)), "summary"]
     budget = args.budget_s or (sum(STEPS[s][1] for s in selected) if args.dry_run else 1500.0)
     began = time.time()
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["env", "e2e", "tests", "sanitizer", "kernels", "quant"]  # the order they run in: e2e, the headline, first
+STEPS = ["env", "e2e", "tests", "sanitizer", "kernels", "quant", "breakdown"]  # the order they run in: e2e first
 # Removes setuptools' editable-install finder (what `pip install -e .` adds), as if specdec were not installed.
 HIDE_INSTALL = """import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
@@ -101,6 +101,18 @@ def test_dry_run_from_the_repository(tmp_path):
     for row in quant["kernel"]:  # the module's path against its own reference: only the bf16 output's rounding
         assert row["int8_rel_err"] < 1e-2 and row["int4_rel_err"] < 1e-2, row
     assert "### Quantized linears" in summary and "compute-sanitizer memcheck" in summary
+    # the breakdown step (into kernels.json: 8 files): every case profiled through the runners' static forward
+    breakdown = kernels["breakdown"]
+    cases = [(c["step"], c["batch"], c["forward"]) for c in breakdown["cases"]]
+    expected = [(step, b, forward) for forward in ("fused", "unfused")
+                for step, b in [("decode", 1), ("decode", 2)] * 2 + [("spec round", 1), ("spec round", 2)]]
+    assert cases == expected  # the fused forward's cases, then the unfused forward's (the before) in one run
+    for case in breakdown["cases"]:
+        assert case["kernels"] > 0 and case["bound_us"] > 0 and case["steady"]["tok_s"] > 0, case
+        assert sum(g["share"] for g in case["groups"].values()) == pytest.approx(1.0)
+        assert case["static"]["target"]["replays"] == 1 and case["groups"]["GEMM"]["kernels"] > 0
+    assert breakdown["cases"][5]["static"]["draft"]["forwards"] >= 4  # k draft steps, their weights in the bound
+    assert "### Per-kernel breakdown of a decode step" in summary and "sampling+verification" in summary
 
 
 def test_dry_run_without_the_install_lays_out_a_site_folder(tmp_path):
@@ -118,7 +130,7 @@ def test_dry_run_without_the_install_lays_out_a_site_folder(tmp_path):
     assert probe.returncode != 0, "the install is not hidden: this test would prove nothing"
 
     out = tmp_path / "out"
-    proc = run_bench_gpu(copy, env, out, "--only", "tests", "sanitizer")
+    proc = run_bench_gpu(copy, env, out, "--only", "tests", "sanitizer", "real")  # real: opt-in, tiny model here
     assert proc.returncode == 0, proc.stdout + proc.stderr
     info = json.loads((out / "env.json").read_text())
     assert info["run"]["layout"].startswith("a site folder")
@@ -129,6 +141,17 @@ def test_dry_run_without_the_install_lays_out_a_site_folder(tmp_path):
     assert statuses["kernels"] == statuses["e2e"] == "skipped: not selected"
     assert statuses["tests"].startswith("skipped: no CUDA") and statuses["sanitizer"].startswith("skipped: no CUDA")
     assert "tests collected" in (out / "tests.log").read_text()
+    assert statuses["real"].startswith("ok (CPU, tiny random model")
+    real = json.loads((out / "real.json").read_text())
+    assert [(g["batch"], g["temperature"], g["class"]) for g in real["groups"]] == [
+        (b, t, c) for b in (1, 2) for t in (0.0, 0.8) for c in ("copy", "long")]  # fmt: skip
+    for group in real["groups"]:  # plain + 2 drafters, 3 timed runs each, every request checked
+        assert group["plain"]["tokens_per_s"] > 0 and group["costs"]["v_k"] > 0
+        assert group["requests_checked"] == 3 * 3 * group["batch"]
+        for row in group["methods"].values():  # c from the drafters' timed propose calls, both predictions made
+            assert row["tokens_per_s"] > 0 and row["propose_calls"] > 0 and row["c"] > 0
+            assert row["predicted_mix"] is not None
+    assert "### Real weights: SmolLM2-135M-Instruct" in (out / "summary.md").read_text()
 
 
 def test_a_run_without_dry_run_and_without_cuda_measures_nothing(tmp_path):

@@ -8,8 +8,12 @@ cache (``bench.kernels.bench_attention.make_inputs``); SDPA gets the same K/V co
 the ``aten::_scaled_dot_product_*`` op torch.profiler saw under the default selection) and the backends that accept
 the shape when forced one at a time (``sdpa_supported``). Bytes are ``bench_attention.bytes_moved`` (K and V once,
 q and out once). Sampling: ``bench_sampling_filters`` cases (softmax, top-k/top-p) and ``bench_spec_sample.run``
-(fused verification vs the torch sequence), vocab 128256. Times: ``triton.testing.do_bench(...,
-return_mode="median")`` on CUDA (its default is the mean).
+(fused verification vs the torch sequence), vocab 128256. Two times per call on CUDA: ``*_ms``,
+``triton.testing.do_bench(..., return_mode="median")`` per Python call (its default is the mean) - the host's
+launch and planning included, as before; and ``*_graph_ms``, the GPU's work per call from CUDA graph replays over
+copies of the inputs (``bench.gpu_steps.graph_timing``: what a call costs inside the engine's graphs), with GB/s
+and % of copy from it, and ``*_launch_overhead_ms`` = do_bench - graph. The Triton attention is called as the
+engine's static forward calls it (``paged_attention_uniform``; block tables as wide as the context).
 Dry run: CPU, tiny shapes, torch references only; Triton columns and the copy ratio say "skipped: no CUDA".
 """
 
@@ -23,8 +27,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.gpu_steps.common import copy_bandwidth_gbps, event_ms, out_of_time, parse_args, write_json
+from bench.gpu_steps.graph_timing import copies, graph_columns
 from bench.kernels import bench_attention, bench_sampling_filters, bench_spec_sample
-from specdec.kernels.paged_attention import paged_attention, paged_attention_reference
+from specdec.kernels.paged_attention import paged_attention_reference, paged_attention_uniform
+from specdec.kernels.spec_sample import spec_sample
+
+GRAPH_TIMER = ("CUDA graph replays: calls captured round-robin over input copies (a working set of several L2 "
+               "sizes), CUDA events, median replay / calls (bench.gpu_steps.graph_timing)")
 
 
 def time_ms(fn, cuda: bool) -> float:
@@ -82,6 +91,16 @@ def sdpa_inputs(paged: tuple, batch: int, ctx: int, q_len: int):
     return qb, k, v, mask
 
 
+def uniform_call(paged: tuple, q_len: int):
+    """The Triton attention on ``make_inputs``' tuple as the engine's static forward calls it (a uniform batch)."""
+    q, k_cache, v_cache, tables, seq_lens, cu_q_lens, scale = paged
+    return lambda: paged_attention_uniform(q, k_cache, v_cache, tables, seq_lens, cu_q_lens, q_len, scale)
+
+
+def sdpa_call(qb, k, v, mask):
+    return lambda: F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)
+
+
 def attention_row(model: str, batch: int, ctx: int, q_len: int, cuda: bool, copy_gbps: float | None) -> dict:
     """One shape: the Triton kernel on the paged cache and SDPA on contiguous KV (CPU: the reference instead)."""
     hq, hkv, d = bench_attention.MODELS[model]
@@ -90,16 +109,25 @@ def attention_row(model: str, batch: int, ctx: int, q_len: int, cuda: bool, copy
     nbytes = bench_attention.bytes_moved(batch, ctx, q_len, hq, hkv, d, dtype)
     qb, k, v, mask = sdpa_inputs(paged, batch, ctx, q_len)
     row = {"model": model, "batch": batch, "ctx": ctx, "q_len": q_len, "dtype": "bfloat16", "bytes": nbytes}
-    sdpa = lambda: F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)
+    sdpa = sdpa_call(qb, k, v, mask)
     row["sdpa_ms"] = time_ms(sdpa, cuda)
     row["sdpa_backend"] = sdpa_backend(sdpa)
     row["sdpa_supported"] = sdpa_supported(sdpa)
     row["sdpa_GBps"] = nbytes / (row["sdpa_ms"] * 1e6)
     if cuda:
-        row["triton_ms"] = time_ms(lambda: paged_attention(*paged), cuda)
+        row["triton_ms"] = time_ms(uniform_call(paged, q_len), cuda)
         row["triton_GBps"] = nbytes / (row["triton_ms"] * 1e6)
         row["triton_pct_copy"] = 100 * row["triton_GBps"] / copy_gbps
         row["triton_over_sdpa"] = row["sdpa_ms"] / row["triton_ms"]  # > 1: the kernel is faster
+        # the GPU's work per call: graph replays over input copies (HBM, not L2, as in a decode step)
+        inputs = [paged] + [bench_attention.make_inputs(batch, ctx, q_len, hq, hkv, d, dtype, "cuda")
+                            for _ in range(copies(nbytes) - 1)]  # fmt: skip
+        row.update(graph_columns("triton", [uniform_call(p, q_len) for p in inputs], row["triton_ms"], nbytes,
+                                 copy_gbps))  # fmt: skip
+        sdpa_sets = [(qb, k, v, mask)] + [sdpa_inputs(p, batch, ctx, q_len) for p in inputs[1:]]
+        row.update(graph_columns("sdpa", [sdpa_call(*s) for s in sdpa_sets], row["sdpa_ms"], nbytes, copy_gbps))
+        if isinstance(row["triton_graph_ms"], float) and isinstance(row["sdpa_graph_ms"], float):
+            row["graph_triton_over_sdpa"] = row["sdpa_graph_ms"] / row["triton_graph_ms"]  # > 1: the kernel is faster
     else:
         row["triton_ms"] = "skipped: no CUDA"
         row["reference_ms"] = time_ms(lambda: paged_attention_reference(*paged), cuda)
@@ -127,19 +155,42 @@ def sampling(args, cuda: bool, copy_gbps: float | None, rows: list[dict], save) 
     for batch in batches:
         if out_of_time(args, 10):
             return
-        for op, nbytes, impls in bench_sampling_filters._cases(batch, vocab, dev, torch.bfloat16):
+        for i, (op, nbytes, impls) in enumerate(bench_sampling_filters._cases(batch, vocab, dev, torch.bfloat16)):
             row = {"op": op, "batch": batch, "vocab": vocab, "bytes": nbytes}
+            # the same op on other inputs (seeds 1, 2, ...): graph_timing's copies
+            more = [list(bench_sampling_filters._cases(batch, vocab, dev, torch.bfloat16, seed))[i][2]
+                    for seed in range(1, copies(nbytes) if cuda else 1)]  # fmt: skip
             for impl, fn in impls.items():
                 if impl == "triton" and not cuda:
                     row["triton_ms"] = "skipped: no CUDA"
                     continue
                 row[f"{impl}_ms"] = time_ms(fn, cuda)
                 row[f"{impl}_GBps"] = nbytes / (row[f"{impl}_ms"] * 1e6)
+                if cuda:
+                    row.update(graph_columns(impl, [fn] + [m[impl] for m in more], row[f"{impl}_ms"], nbytes,
+                                             copy_gbps))  # fmt: skip
             if cuda:
                 row["triton_pct_copy"] = 100 * row["triton_GBps"] / copy_gbps
             rows.append(row)
             print(row, flush=True)
         save()
+
+
+def spec_sample_graph(row: dict, vocab: int, copy_gbps: float) -> dict:
+    """Graph-replay columns ``verify_fused_*`` of one ``bench_spec_sample.run`` row (CUDA): the fused verification on
+    the row's inputs and on copies made with other seeds. Not its torch reference: that one reads device values on
+    the host (``nonzero``), which no graph captures."""
+    batch, k = row["batch"], row["k"]
+
+    def args(seed: int) -> dict:
+        return bench_spec_sample.verify_args(bench_spec_sample.make_inputs(batch, k, vocab, "cuda", seed),
+                                             bench_spec_sample.standardize_reference)  # fmt: skip
+
+    first = args(0)
+    nbytes = bench_spec_sample.kernel_bytes(first, spec_sample(**first)[1])
+    sets = [first] + [args(seed) for seed in range(1, copies(nbytes))]
+    return graph_columns("verify_fused", [lambda a=a: spec_sample(**a) for a in sets], row["verify_fused_ms"],
+                         nbytes, copy_gbps)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": "bfloat16",
                     "timer": "triton.testing.do_bench (return_mode='median')" if cuda else "perf_counter (median)",
+                    "graph_timer": GRAPH_TIMER if cuda else "skipped: no CUDA",
                     "copy": None, "attention": [], "sampling": [], "spec_sample": []}  # fmt: skip
 
     def save() -> None:
@@ -169,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             if cuda and "verify_fused_GBps" in row:
                 row["fused_pct_copy"] = 100 * row["verify_fused_GBps"] / copy_gbps
+                row.update(spec_sample_graph(row, vocab, copy_gbps))
             elif not cuda:
                 row["verify_fused_ms"] = "skipped: no CUDA"
         result["spec_sample"] = rows

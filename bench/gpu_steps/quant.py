@@ -2,10 +2,13 @@
 
 1. Kernel (``kernels/quant_matmul.py`` through ``QuantizedLinear``, the model's own module) against bf16
    ``F.linear`` (cuBLAS) on the linears of Llama-3.2-1B and 3B (fused QKV, o, fused gate/up, down, LM head) at
-   1 / 5 / 16 rows (a decode, a k = 4 verification window, a batch): ``triton.testing.do_bench`` medians, GB/s of
-   the weight's own bytes (int8 1 B, int4 0.5 B + scales / offsets, bf16 2 B per weight) against a measured
-   device-to-device copy, and the largest difference from the torch reference (``QuantizedLinear.path_reference``:
-   dequantise, fp32 matmul) relative to the reference's largest value - the kernel's correctness on a real GPU.
+   1 / 5 / 16 rows (a decode, a k = 4 verification window, a batch): ``triton.testing.do_bench`` medians per
+   Python call (``*_ms``, launch and planning included) and the GPU's work per call from CUDA graph replays over
+   copies of the weight (``*_graph_ms``, ``bench.gpu_steps.graph_timing``: what the linear costs inside the
+   engine's graphs; ``*_launch_overhead_ms`` = do_bench - graph), GB/s of the weight's own bytes (int8 1 B, int4
+   0.5 B + scales / offsets, bf16 2 B per weight) from each against a measured device-to-device copy, and the
+   largest difference from the torch reference (``QuantizedLinear.path_reference``: dequantise, fp32 matmul)
+   relative to the reference's largest value - the kernel's correctness on a real GPU.
 2. Engine: plain decoding of random-weight 1B- and 3B-shaped targets (bf16 checkpoints, ``bench.gpu_steps.models``)
    loaded as bf16 / ``quantization="int8"`` / ``"int4"``, batch 1 and 8, 128-id prompts, 64 new tokens
    (``ignore_eos``), one warm-up then 3 interleaved timed runs (median); every request checked (no error, all 64
@@ -28,6 +31,7 @@ import torch
 import specdec
 from bench.gpu_steps.common import copy_bandwidth_gbps, out_of_time, parse_args, synced_timed, write_json
 from bench.gpu_steps.e2e import check_outputs
+from bench.gpu_steps.graph_timing import copies, graph_columns
 from bench.gpu_steps.kernels import time_ms
 from bench.gpu_steps.models import LLAMA_1B, LLAMA_3B, TINY, write_random_llama
 from specdec.model.quant.linear import QuantizedLinear
@@ -45,6 +49,14 @@ def weight_bytes(module) -> int:
     return sum(t.numel() * t.element_size() for t in (module.qweight, module.scale, module.offset) if t is not None)
 
 
+def quantized_copy(n: int, k: int, scheme: str, gen: torch.Generator) -> QuantizedLinear:
+    """Another random ``[n, k]`` linear quantised with ``scheme``, prepared for the GPU path (graph timing's copies)."""
+    w = torch.randn(n, k, generator=gen, device=gen.device) * 0.02  # (N, K) fp32
+    module = QuantizedLinear.from_weight(w, None, scheme)
+    module.prepare(w.device, cpu_path="weight_only", release=False)
+    return module
+
+
 def kernel_rows(args, cuda: bool, copy_gbps: float, rows: list[dict], save) -> None:
     dev = "cuda" if cuda else "cpu"
     models = {"tiny": TINY} if args.dry_run else {"Llama-3.2-1B": LLAMA_1B, "Llama-3.2-3B": LLAMA_3B}
@@ -58,11 +70,19 @@ def kernel_rows(args, cuda: bool, copy_gbps: float, rows: list[dict], save) -> N
             quantized = {s: QuantizedLinear.from_weight(w, None, s) for s in ("int8", "int4")}
             for module in quantized.values():  # on CPU (dry run) the weight-only reference the GPU path mirrors
                 module.prepare(w.device, cpu_path="weight_only", release=False)
+            # graph timing (CUDA): the same linear over copies of its weight, so it reads them from HBM, not L2
+            bf16_set = [w_bf16] + [(torch.randn(n, k, generator=gen, device=dev) * 0.02).to(torch.bfloat16)
+                                   for _ in range(copies(2 * n * k) - 1 if cuda else 0)]  # fmt: skip
+            quant_sets = {s: [q] + [quantized_copy(n, k, s, gen) for _ in range(copies(weight_bytes(q)) - 1)]
+                          for s, q in quantized.items()} if cuda else {}  # fmt: skip
             for m in (1, 5, 16):
                 x = torch.randn(m, k, generator=gen, device=dev).to(torch.bfloat16)  # (M, K)
                 bf16_ms = time_ms(lambda x=x, w=w_bf16: torch.nn.functional.linear(x, w), cuda)
                 row = {"model": model, "linear": name, "N": n, "K": k, "rows": m, "bf16_ms": bf16_ms,
                        "bf16_GBps": 2 * n * k / (bf16_ms * 1e-3) / 1e9}  # fmt: skip
+                if cuda:
+                    row.update(graph_columns("bf16", [lambda x=x, w=c: torch.nn.functional.linear(x, w)
+                                                      for c in bf16_set], bf16_ms, 2 * n * k, copy_gbps))  # fmt: skip
                 for scheme, module in quantized.items():
                     ms = time_ms(lambda x=x, module=module: module(x), cuda)
                     ref = module.path_reference(x)
@@ -72,12 +92,17 @@ def kernel_rows(args, cuda: bool, copy_gbps: float, rows: list[dict], save) -> N
                                 f"{scheme}_pct_copy": 100 * gbps / copy_gbps,
                                 f"{scheme}_speedup_vs_bf16": bf16_ms / ms,
                                 f"{scheme}_rel_err": float((got - ref).abs().max() / ref.abs().max())})  # fmt: skip
+                    if cuda:
+                        row.update(graph_columns(scheme, [lambda x=x, q=q: q(x) for q in quant_sets[scheme]], ms,
+                                                 weight_bytes(module), copy_gbps))  # fmt: skip
+                        if isinstance(row[f"{scheme}_graph_ms"], float) and isinstance(row["bf16_graph_ms"], float):
+                            row[f"{scheme}_graph_speedup_vs_bf16"] = row["bf16_graph_ms"] / row[f"{scheme}_graph_ms"]
                 rows.append(row)
                 print(f"{model} {name} {n}x{k} rows {m}: bf16 {bf16_ms:.4f} ms, int8 {row['int8_ms']:.4f} ms, "
                       f"int4 {row['int4_ms']:.4f} ms (err {row['int8_rel_err']:.1e} / {row['int4_rel_err']:.1e})",
                       flush=True)  # fmt: skip
                 save()
-            del quantized, w, w_bf16
+            del quantized, w, w_bf16, bf16_set, quant_sets
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
@@ -165,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     result: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "copy": None, "kernel": [],
                     "plain": [], "self_draft": [],
-                    "timer": "triton.testing.do_bench (return_mode='median')" if cuda else "perf_counter (median)"}
+                    "timer": "triton.testing.do_bench (return_mode='median')" if cuda else "perf_counter (median)",
+                    "graph_timer": "CUDA graph replays over weight copies (bench.gpu_steps.graph_timing)" if cuda
+                    else "skipped: no CUDA"}  # fmt: skip
 
     def save() -> None:
         write_json(args.out / "quant.json", result)

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from bench.gpu_steps.common import parse_args
+from bench.gpu_steps.summary_breakdown import section_breakdown
+from bench.gpu_steps.summary_real import section_real
 
 
 def load(path: Path) -> dict:
@@ -78,31 +80,50 @@ def section_tests(out: Path) -> list[str]:
     return [*lines, ""]
 
 
+def us(ms):
+    """Milliseconds as microseconds for a table; a "capture failed: ..." string as its first words (the whole
+    message is in the JSON)."""
+    if isinstance(ms, str):
+        return ms.split(":")[0]
+    return None if ms is None else 1e3 * ms
+
+
+GRAPH_NOTE = ("\"graph us\": the GPU's work per call from CUDA graph replays over copies of the inputs (what a call "
+              "costs inside the engine's graphs; bench.gpu_steps.graph_timing), GB/s and % of copy from it; \"launch "
+              "us\" = do_bench - graph, the host's launch and planning per call.")
+
+
 def section_kernels(kernels: dict) -> list[str]:
-    if not kernels:
-        return ["### Kernels", "", "no kernels.json (the step failed or was not selected)", ""]
+    if "attention" not in kernels:
+        return ["### Kernels", "", "no kernel microbenchmarks (the kernels step failed or was not selected)", ""]
     copy = kernels.get("copy") or {}
     lines = ["### Kernels", "",
              f"bf16; device-to-device copy {fmt(copy.get('copy_GBps'), 0)} GB/s (read + write, {copy.get('buffer_mb')} "
              f"MiB, {copy.get('timer')}){' - ' + copy['note'] if copy.get('note') else ''}. Kernel times: "
              f"{kernels.get('timer')}. GB/s = compulsory bytes (K and V once, q and out once) / time; SDPA gets the "
              "same K/V contiguous (enable_gqa); \"SDPA backend\" is the one that ran under torch's default selection "
-             "(its aten op in torch.profiler), \"can run\" the backends that accept the shape when forced.",
-             ""]  # fmt: skip
-    rows = [[r["model"], r["batch"], r["ctx"], r["q_len"], r.get("triton_ms"), r.get("triton_GBps"),
-             r.get("triton_pct_copy"), r.get("sdpa_ms"), r.get("sdpa_GBps"), r.get("sdpa_backend"),
-             "/".join(r.get("sdpa_supported") or []) or None, r.get("triton_over_sdpa")]
+             "(its aten op in torch.profiler), \"can run\" the backends that accept the shape when forced. "
+             + GRAPH_NOTE, ""]  # fmt: skip
+    rows = [[r["model"], r["batch"], r["ctx"], r["q_len"], us(r.get("triton_graph_ms")), r.get("triton_graph_GBps"),
+             r.get("triton_graph_pct_copy"), r.get("triton_ms"), us(r.get("triton_launch_overhead_ms")),
+             us(r.get("sdpa_graph_ms")), r.get("sdpa_ms"), r.get("sdpa_backend"),
+             "/".join(r.get("sdpa_supported") or []) or None, r.get("graph_triton_over_sdpa")]
             for r in kernels.get("attention", [])]  # fmt: skip
-    lines += table(["model", "batch", "ctx", "q_len", "Triton ms", "Triton GB/s", "% of copy", "SDPA ms", "SDPA GB/s",
-                    "SDPA backend", "can run", "SDPA ms / Triton ms"], rows)  # fmt: skip
-    rows = [[r["op"], r["batch"], r["vocab"], r.get("triton_ms"), r.get("triton_GBps"), r.get("triton_pct_copy"),
-             r.get("torch_ms")] for r in kernels.get("sampling", [])]  # fmt: skip
-    lines += table(["op", "batch", "vocab", "Triton ms", "Triton GB/s", "% of copy", "torch ms"], rows)
-    rows = [[r["batch"], r["k"], r["vocab"], r.get("verify_fused_ms"), r.get("verify_fused_GBps"),
-             r.get("fused_pct_copy"), r.get("verify_torch_ms"), r.get("verify_speedup"), r.get("full_speedup")]
-            for r in kernels.get("spec_sample", [])]  # fmt: skip
-    lines += table(["spec_sample batch", "k", "vocab", "fused ms", "fused GB/s", "% of copy", "torch ms",
-                    "verify speedup", "with standardization"], rows)  # fmt: skip
+    lines += table(["model", "batch", "ctx", "q_len", "Triton graph us", "GB/s (graph)", "% of copy", "Triton ms "
+                    "(do_bench)", "launch us", "SDPA graph us", "SDPA ms (do_bench)", "SDPA backend", "can run",
+                    "SDPA / Triton (graph)"], rows)  # fmt: skip
+    rows = [[r["op"], r["batch"], r["vocab"], us(r.get("triton_graph_ms")), r.get("triton_graph_GBps"),
+             r.get("triton_graph_pct_copy"), r.get("triton_ms"), us(r.get("triton_launch_overhead_ms")),
+             us(r.get("torch_graph_ms")), r.get("torch_ms")] for r in kernels.get("sampling", [])]  # fmt: skip
+    lines += table(["op", "batch", "vocab", "Triton graph us", "GB/s (graph)", "% of copy", "Triton ms (do_bench)",
+                    "launch us", "torch graph us", "torch ms (do_bench)"], rows)  # fmt: skip
+    rows = [[r["batch"], r["k"], r["vocab"], us(r.get("verify_fused_graph_ms")), r.get("verify_fused_graph_GBps"),
+             r.get("verify_fused_graph_pct_copy"), r.get("verify_fused_ms"),
+             us(r.get("verify_fused_launch_overhead_ms")), r.get("verify_torch_ms"), r.get("verify_speedup"),
+             r.get("full_speedup")] for r in kernels.get("spec_sample", [])]  # fmt: skip
+    lines += table(["spec_sample batch", "k", "vocab", "fused graph us", "GB/s (graph)", "% of copy",
+                    "fused ms (do_bench)", "launch us", "torch ms", "verify speedup (do_bench)",
+                    "with standardization"], rows)  # fmt: skip
     return lines
 
 
@@ -111,15 +132,20 @@ def section_quant(quant: dict) -> list[str]:
         return []
     copy = quant.get("copy") or {}
     lines = ["### Quantized linears (weight-only int8 / int4 g32)", "",
-             f"Kernel vs bf16 `F.linear` (cuBLAS), {quant.get('timer')}; GB/s = the weight's own bytes (int8 1 B, int4 "
-             f"0.5 B + fp32 scales/offsets per 32, bf16 2 B) / time, copy {fmt(copy.get('copy_GBps'), 0)} GB/s; err = "
-             "max |kernel - torch reference| / max |reference|.", ""]  # fmt: skip
-    rows = [[r["model"], r["linear"], f"{r['N']}x{r['K']}", r["rows"], r.get("bf16_ms"), r.get("bf16_GBps"),
-             r.get("int8_ms"), r.get("int8_GBps"), r.get("int8_speedup_vs_bf16"), r.get("int8_rel_err"),
-             r.get("int4_ms"), r.get("int4_GBps"), r.get("int4_speedup_vs_bf16"), r.get("int4_rel_err")]
-            for r in quant.get("kernel", [])]  # fmt: skip
-    lines += table(["model", "linear", "N x K", "rows", "bf16 ms", "bf16 GB/s", "int8 ms", "int8 GB/s", "int8 / bf16",
-                    "int8 err", "int4 ms", "int4 GB/s", "int4 / bf16", "int4 err"], rows)  # fmt: skip
+             f"Kernel vs bf16 `F.linear` (cuBLAS); GB/s = the weight's own bytes (int8 1 B, int4 0.5 B + fp32 "
+             f"scales/offsets per 32, bf16 2 B) / the graph time, copy {fmt(copy.get('copy_GBps'), 0)} GB/s; "
+             "x / bf16 = bf16 graph time / x graph time; do_bench: " + str(quant.get("timer")) + ", per Python call; "
+             "err = max |kernel - torch reference| / max |reference|. " + GRAPH_NOTE, ""]  # fmt: skip
+    schemes = ("bf16", "int8", "int4")
+    rows = [[r["model"], r["linear"], f"{r['N']}x{r['K']}", r["rows"],
+             *(us(r.get(f"{s}_graph_ms")) for s in schemes), *(r.get(f"{s}_graph_GBps") for s in schemes),
+             r.get("int8_graph_speedup_vs_bf16"), r.get("int4_graph_speedup_vs_bf16"),
+             " / ".join(fmt(r.get(f"{s}_ms")) for s in schemes),
+             " / ".join(fmt(us(r.get(f"{s}_launch_overhead_ms")), 1) for s in schemes),
+             r.get("int8_rel_err"), r.get("int4_rel_err")] for r in quant.get("kernel", [])]  # fmt: skip
+    lines += table(["model", "linear", "N x K", "rows", "bf16 graph us", "int8 graph us", "int4 graph us",
+                    "bf16 GB/s", "int8 GB/s", "int4 GB/s", "int8 / bf16", "int4 / bf16", "do_bench ms bf16 / int8 / "
+                    "int4", "launch us bf16 / int8 / int4", "int8 err", "int4 err"], rows)  # fmt: skip
     rows = [[r["model"], r["batch"], r["reps"], r.get("bf16_tok_s"), r.get("int8_tok_s"), r.get("int8_speedup"),
              r.get("int8_same_tokens_as_bf16"), r.get("int4_tok_s"), r.get("int4_speedup"),
              r.get("int4_same_tokens_as_bf16")] for r in quant.get("plain", [])]  # fmt: skip
@@ -275,11 +301,13 @@ def main(argv: list[str] | None = None) -> int:
     env = load(args.out / "env.json")
     run = env.get("run", {})
     e2e = load(args.out / "e2e.json")
-    lines = [*section_env(env, run), *section_steps(run), *section_tests(args.out),
-             *section_kernels(load(args.out / "kernels.json")), *section_quant(load(args.out / "quant.json")),
-             *section_e2e(e2e)]  # fmt: skip
+    kernels = load(args.out / "kernels.json")
+    lines = [*section_env(env, run), *section_steps(run), *section_tests(args.out), *section_kernels(kernels),
+             *section_quant(load(args.out / "quant.json")),
+             *section_breakdown(kernels.get("breakdown"), table, fmt), *section_e2e(e2e)]  # fmt: skip
     if e2e.get("pairs"):
         lines += section_projection(e2e, args.alpha)
+    lines += section_real(load(args.out / "real.json"), table, fmt)
     (args.out / "summary.md").write_text("\n".join(lines).rstrip() + "\n")
     print("\n".join(lines))
     return 0
