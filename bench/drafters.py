@@ -5,9 +5,11 @@
         [--prompts code,json,copy,prose] [--prompts-per-class 1] [--max-tokens 64] [--dtype float32] [--clock cpu]
 
 A drafter is ``METHOD`` (``prompt_lookup``, ``ngram``) or ``METHOD:MODEL`` (``draft_model:qwen-0.5b``,
-``eagle3:HEAD_FOLDER``, ``combined:MODEL``), each drafting a chain of ``--k`` tokens (fixed k: the drafters are
-compared, not the policy that picks k). Every engine shares the plain engine's target weights (one copy in memory)
-and has its own KV pool. Per prompt and repetition, plain and every drafter generate it once (batch 1, chat
+``eagle3:HEAD_FOLDER``, ``combined:MODEL``, ``draft_model:self``); a draft model's name may end in ``+vocab``
+(``draft_model:self+vocab``): the same draft with its LM head cut to ``--draft-vocab`` (``--draft-vocab-size``),
+so the full and the reduced draft vocabulary run side by side. Each drafts a chain of ``--k`` tokens (fixed k: the
+drafters are compared, not the policy that picks k). Every engine shares the plain engine's target weights (one copy
+in memory) and has its own KV pool. Per prompt and repetition, plain and every drafter generate it once (batch 1, chat
 template, greedy, ``ignore_eos``), in an order that rotates by repetition.
 
 Reported per class and drafter: tok/s (generated tokens / the median over repetitions of the ``generate`` time,
@@ -46,9 +48,13 @@ from bench.e2e import aggregate_metrics, draft_step_model, measure_costs, reuse_
 MODEL_METHODS = ("draft_model", "eagle3", "combined")  # the methods whose drafter names a model
 
 
-def parse_drafter(spec: str) -> tuple[str, str | None]:
-    """``"METHOD"`` or ``"METHOD:MODEL"`` -> (method, model path or None); a clear error for anything else."""
-    method, _, model = spec.partition(":")
+def parse_drafter(spec: str) -> tuple[str, str | None, bool]:
+    """``"METHOD"``, ``"METHOD:MODEL"`` or ``"METHOD:MODEL+vocab"`` -> (method, model path or None, whether the
+    reduced draft vocabulary applies); a clear error for anything else."""
+    reduced = spec.endswith("+vocab")
+    method, _, model = spec.removesuffix("+vocab").partition(":")
+    if reduced and method not in ("draft_model", "combined"):
+        raise ValueError(f"drafter {spec!r}: +vocab (a reduced draft vocabulary) is for draft_model / combined")
     if method not in specdec.config.SPECULATIVE_METHODS:
         raise ValueError(f"drafter {spec!r}: unknown method {method!r}; allowed: "
                          f"{', '.join(specdec.config.SPECULATIVE_METHODS)}")
@@ -56,7 +62,7 @@ def parse_drafter(spec: str) -> tuple[str, str | None]:
         raise ValueError(f"drafter {spec!r}: {method} needs a model, as {method}:MODEL")
     if model and method not in MODEL_METHODS:
         raise ValueError(f"drafter {spec!r}: {method} takes no model")
-    return method, (resolve_model(model) if model else None)
+    return method, (resolve_model(model) if model else None), reduced
 
 
 def select_prompts(prompts: dict[str, list], names: str | None) -> dict[str, list]:
@@ -128,6 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", choices=("int8", "int4"), default=None)
     parser.add_argument("--draft-quantization", choices=("int8", "int4"), default=None)
+    parser.add_argument("--draft-vocab", default=None, help="the draft-vocabulary file of the +vocab drafters "
+                        "(`specdec draft-vocab`)")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="keep its first N ids")
     add_record_flag(parser)
     args = parser.parse_args(argv)
     if args.k < 1 or args.reps < 1 or args.max_tokens < 1:
@@ -138,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(str(e))
     if not drafters:
         parser.error("--drafters names no drafter")
+    if any(reduced for _, _, reduced in drafters.values()) and args.draft_vocab is None:
+        parser.error("a +vocab drafter needs --draft-vocab")
     set_threads(args.threads)
     set_clock(args.clock)
     meta = {**machine_info(), "clock": args.clock}
@@ -150,10 +161,12 @@ def main(argv: list[str] | None = None) -> dict:
     plain = specdec.LLM(target_path, **engine_kwargs)
     engines: dict[str, specdec.LLM] = {"plain": plain}
     with reuse_target_weights(plain):  # one copy of the target's weights for every engine
-        for name, (method, model) in drafters.items():
+        for name, (method, model, reduced) in drafters.items():
             spec = specdec.SpeculativeConfig(method=method, draft_model=model, num_speculative_tokens=args.k,
                                              draft_quantization=args.draft_quantization
-                                             if method in ("draft_model", "combined") else None)
+                                             if method in ("draft_model", "combined") else None,
+                                             draft_vocab=args.draft_vocab if reduced else None,
+                                             draft_vocab_size=args.draft_vocab_size if reduced else None)
             engines[name] = specdec.LLM(target_path, speculative=spec, **engine_kwargs)
     tokenizer = plain.engine.tokenizer
     prompts = select_prompts(load_prompts(args.prompts.split(","), args.prompts_per_class), args.prompt_names)

@@ -1,6 +1,6 @@
-"""Command line: ``specdec generate``, ``specdec serve``, ``specdec demo``, ``specdec convert`` and
-``specdec train-draft`` (specdec/training/command.py) (also
-``python -m specdec``).
+"""Command line: ``specdec generate``, ``specdec serve``, ``specdec demo``, ``specdec convert``,
+``specdec train-draft`` (specdec/training/command.py) and ``specdec draft-vocab`` (specdec/training/vocab_command.py)
+(also ``python -m specdec``).
 
 The sampling options of ``generate`` take their defaults from the fields of :class:`specdec.SamplingParams`
 (and ``--num-speculative-tokens`` from :class:`specdec.SpeculativeConfig`), so the CLI and the Python API
@@ -22,6 +22,7 @@ from pathlib import Path
 from specdec import SamplingParams, SpeculativeConfig, __version__
 from specdec.config import TREE_POLICIES, VERIFY_METHODS, parse_tree
 from specdec.training import command as train_command
+from specdec.training import vocab_command
 
 EXIT_USAGE = 2  # bad arguments or input files (argparse's own code)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -69,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for Llama models",
                                      formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"specdec {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,demo,convert,train-draft}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{generate,serve,demo,convert,train-draft,draft-vocab}")
     _generate_parser(sub.add_parser("generate", help="generate text from a prompt", formatter_class=_HelpFormatter,
                                     description="Generate text from a prompt; sampling defaults are "
                                                 "specdec.SamplingParams' defaults."))
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=_HelpFormatter,
                                 description="Time the same greedy request plain and with prompt lookup."))
     train_command.add_parser(sub, _HelpFormatter)
+    vocab_command.add_parser(sub, _HelpFormatter)
     _convert_parser(sub.add_parser("convert", help="convert a .gguf file into a Hugging Face-style folder, once",
                                    formatter_class=_HelpFormatter,
                                    description="Convert a .gguf file into a Hugging Face-style model folder."))
@@ -174,6 +177,11 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-tensor-parallel-size", type=_positive_int, default=None,
                        help="as SpeculativeConfig(draft_tensor_parallel_size=): 1 (the draft on rank 0) or the "
                             "target's --tensor-parallel-size (default)")
+    group.add_argument("--draft-vocab", default=None,
+                       help="as SpeculativeConfig(draft_vocab=): a file of target token ids (`specdec draft-vocab`'s "
+                            ".json, or an EAGLE-3 d2t map); the draft's LM head keeps those rows only")
+    group.add_argument("--draft-vocab-size", type=_positive_int, default=None,
+                       help="as SpeculativeConfig(draft_vocab_size=): the first N (most frequent) ids of --draft-vocab")
     group.add_argument("--num-speculative-tokens", type=int, default=_speculative_default("num_speculative_tokens"),
                        help="k, the most tokens drafted per round")
     group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code (0 ok, 2 bad arguments or input, 130 interrupted)."""
     args = build_parser().parse_args(argv)
     commands = {"generate": _generate, "serve": _serve, "demo": _demo, "convert": _convert,
-                "train-draft": train_command.run}
+                "train-draft": train_command.run, "draft-vocab": vocab_command.run}
     try:
         return commands[args.command](args)
     except ValueError as e:
@@ -245,13 +253,16 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
             raise ValueError("--draft-quantize-lm-head needs --speculative-method draft_model or combined")
         if getattr(args, "draft_tensor_parallel_size", None) is not None:
             raise ValueError("--draft-tensor-parallel-size needs --speculative-method draft_model or combined")
+        if getattr(args, "draft_vocab", None) is not None or getattr(args, "draft_vocab_size", None) is not None:
+            raise ValueError("--draft-vocab / --draft-vocab-size need --speculative-method draft_model or combined")
         return None
     return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
                              num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
                              verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget,
                              tree_policy=args.tree_policy, draft_quantization=args.draft_quantization,
                              draft_quantize_lm_head=args.draft_quantize_lm_head,
-                             draft_tensor_parallel_size=args.draft_tensor_parallel_size)
+                             draft_tensor_parallel_size=args.draft_tensor_parallel_size,
+                             draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size)
 
 
 def _model_path(model: str | None) -> str:

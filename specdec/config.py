@@ -152,6 +152,9 @@ def check_draft_tensor_parallel(spec: SpeculativeConfig, size: int) -> int:
     if draft not in (1, size):
         raise ValueError(f"draft_tensor_parallel_size must be 1 (the draft on rank 0 only) or the target's "
                          f"tensor_parallel_size ({size}), got {draft}")
+    if draft > 1 and spec.draft_vocab is not None:
+        raise ValueError(f"draft_vocab (a reduced draft LM head) needs the draft on rank 0 only: set "
+                         f"draft_tensor_parallel_size=1 (got {draft}, the target's tensor_parallel_size by default)")
     if draft > 1 and spec.method == "eagle3":
         raise ValueError("an EAGLE-3 head (one decoder layer) runs on rank 0 only: draft_tensor_parallel_size must "
                          f"be None or 1 with method 'eagle3', got {draft}")
@@ -257,6 +260,20 @@ VERIFY_METHODS = ("token", "block")
 TREE_POLICIES = ("measured", "always")
 
 
+DRAFT_VOCAB_SUFFIXES = (".json", ".safetensors", ".pt")  # the files SpeculativeConfig(draft_vocab=) reads
+
+
+def check_draft_vocab_path(path: object) -> None:
+    """``ValueError`` unless ``path`` names an existing file of a supported kind (before any model is loaded)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"draft_vocab must be the path of a file of target token ids, got {path!r}")
+    if not str(path).endswith(DRAFT_VOCAB_SUFFIXES):
+        raise ValueError(f"draft_vocab {str(path)!r}: expected a {' / '.join(DRAFT_VOCAB_SUFFIXES)} file (a JSON "
+                         "list of token ids as `specdec draft-vocab` writes, or an EAGLE-3 d2t / t2d map)")
+    if not os.path.isfile(path):
+        raise ValueError(f"draft_vocab file {str(path)!r} does not exist (build one with `specdec draft-vocab`)")
+
+
 @dataclass
 class SpeculativeConfig:
     """How to speculate. ``LLM(model, speculative=None)`` is plain decoding.
@@ -333,6 +350,8 @@ class SpeculativeConfig:
     draft_quantization_group_size: int | None = None
     draft_quantize_lm_head: bool | None = None
     draft_tensor_parallel_size: int | None = None
+    draft_vocab: str | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -371,7 +390,26 @@ class SpeculativeConfig:
                              f"tensor_parallel_size, got {dtp!r}")
         if self.verify not in VERIFY_METHODS:
             raise ValueError(f"verify {self.verify!r} is not supported; supported: {VERIFY_METHODS}")
+        self._check_draft_vocab()
         self._check_tree()
+
+    def _check_draft_vocab(self) -> None:
+        size = self.draft_vocab_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"draft_vocab_size must be None (every id of draft_vocab) or an integer >= 1, "
+                             f"got {size!r}")
+        if self.draft_vocab is None:
+            if size is not None:
+                raise ValueError("draft_vocab_size needs draft_vocab: the ranked file of token ids to take the first "
+                                 f"{size} of (build one with `specdec draft-vocab`)")
+            return
+        if self.method == "eagle3":
+            raise ValueError("draft_vocab is for draft models: an EAGLE-3 head carries its own reduced vocabulary "
+                             "(d2t in its checkpoint)")
+        if not self.uses_draft_model:
+            raise ValueError(f"draft_vocab needs a draft model (method 'draft_model' or 'combined'); method "
+                             f"{self.method!r} has no LM head to cut")
+        check_draft_vocab_path(self.draft_vocab)
 
     def _check_tree(self) -> None:
         for name in ("tree_budget", "tree_max_branch", "tree_max_batch_size"):

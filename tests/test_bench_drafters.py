@@ -8,8 +8,11 @@ from bench import drafters
 
 
 def test_parse_drafter_accepts_methods_and_models_and_names_what_is_wrong(tmp_path):
-    assert drafters.parse_drafter("prompt_lookup") == ("prompt_lookup", None)
-    assert drafters.parse_drafter(f"eagle3:{tmp_path}") == ("eagle3", str(tmp_path))
+    assert drafters.parse_drafter("prompt_lookup") == ("prompt_lookup", None, False)
+    assert drafters.parse_drafter(f"eagle3:{tmp_path}") == ("eagle3", str(tmp_path), False)
+    assert drafters.parse_drafter(f"draft_model:{tmp_path}+vocab") == ("draft_model", str(tmp_path), True)
+    with pytest.raises(ValueError, match=r"\+vocab"):
+        drafters.parse_drafter(f"eagle3:{tmp_path}+vocab")
     with pytest.raises(ValueError, match="unknown method 'medusa'; allowed: draft_model"):
         drafters.parse_drafter("medusa:x")
     with pytest.raises(ValueError, match="draft_model needs a model"):

@@ -66,6 +66,9 @@ def test_dry_run_from_the_repository(tmp_path):
         for batch, row in pair["batches"].items():
             assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
             assert row["costs"]["c"] > 0 and row["costs"]["v_k"] > 0 and row["costs_eager"]["c"] > 0
+            # c again with the draft's head cut to a reduced draft vocabulary (half the tiny 512 ids)
+            assert row["costs_draft_vocab"]["c"] > 0 and row["costs_draft_vocab"]["draft_vocab_size"] == 256
+            assert 0 < row["byte_share"]["draft_vocab"] < row["byte_share"]["full_vocab"]  # the cut head reads less
             # c and v(k) through the engine's runners, whose static forward served them (mode "eager" on CPU)
             assert row["costs"]["path"] == {"target": "static (eager)", "draft": "static (eager)"}
             # an odd number >= 3 of timed runs, and tok/s from the median run's own time

@@ -51,6 +51,7 @@ from bench.gpu_steps.common import (
     stats_delta,
     sync,
     synced_timed,
+    weight_bytes,
     write_json,
 )
 from bench.gpu_steps.kernel_groups import GROUPS, cpu_op_rows, device_kernel_rows, group_kernels
@@ -71,20 +72,6 @@ def plan(dry: bool) -> dict:
 def max_new_tokens(p: dict) -> int:
     """A request's ``max_tokens``, never reached in a case (warm-up, timed steps, the profiled one; k + 1 a step)."""
     return (p["warm_max"] + p["reps"] + 4) * (K + 1)
-
-
-def weight_bytes(model) -> int:
-    """Bytes of weights one forward of ``model`` reads: every parameter once (a tied embedding once, the LM head
-    reads it whole; an untied input embedding not at all, a forward reads a few rows of it), and the prepacked
-    copies of linears whose plain weight was released (CPU)."""
-    embed, head = model.embed_tokens.weight, model.lm_head.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters()
-                if not p.is_meta and not (p is embed and head is not embed))  # fmt: skip
-    for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
-        if getattr(module, "weight_released", False) and packed is not None:
-            total += packed.numel() * packed.element_size()
-    return total
 
 
 def kv_token_bytes(runner) -> int:

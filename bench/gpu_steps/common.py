@@ -154,3 +154,17 @@ def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
                    "note": f"static forward {then.get('mode')} -> {now['mode']} in between (a failed capture?)"}
         delta[role] = row
     return delta
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one forward of ``model`` reads: every parameter once (a tied embedding once, the LM head
+    reads it whole; an untied input embedding not at all, a forward reads a few rows of it), and the prepacked
+    copies of linears whose plain weight was released (CPU)."""
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters()
+                if not p.is_meta and not (p is embed and head is not embed))  # fmt: skip
+    for module in model.modules():
+        packed = getattr(module, "packed_weight", None)
+        if getattr(module, "weight_released", False) and packed is not None:
+            total += packed.numel() * packed.element_size()
+    return total

@@ -18,7 +18,10 @@ fallbacks, eager forwards, buckets captured) of every runner - the target's and 
 the warm-up and the timed runs. c = draft decode / target decode and v(j) = target forward of j + 1 tokens per
 request / of 1 token are timed through the speculative engine's own runners (their static forward - CUDA graphs
 on CUDA - when the batch has a bucket, as the engine runs them; ``costs``) and, for comparison with earlier runs,
-through a fresh eager runner (``costs_eager``, ``bench.e2e.measure_costs``), CUDA-synchronised.
+through a fresh eager runner (``costs_eager``, ``bench.e2e.measure_costs``), CUDA-synchronised. And c once more
+with the draft's LM head cut to a reduced draft vocabulary (``costs_draft_vocab``: a third engine, the same draft
+with ``SpeculativeConfig(draft_vocab=)`` of ``DRAFT_VOCAB_SIZE`` fixed seeded ids - for random weights any subset
+prices the same - through its own runners), the cost the issue's c goal is judged on.
 Then CUDA graphs vs ``enforce_eager=True`` for plain decoding of the random target, one speculative round at
 batch 8 of the random pair under ``torch.profiler`` (top ops in profile.txt; host syncs counted by kind inside
 ``engine.step`` only: stream, device and event synchronisations, blocking ``cudaMemcpy`` apart from
@@ -50,12 +53,14 @@ from bench.gpu_steps.common import (
     stats_delta,
     sync,
     synced_timed,
+    weight_bytes,
     write_json,
 )
 from bench.gpu_steps.models import LLAMA_1B, LLAMA_3B, TINY, write_random_llama
 from specdec.runner.model_runner import ForwardItem
 
 K = 4
+DRAFT_VOCAB_SIZE = 32000  # the reduced draft vocabulary c is also timed with (EAGLE-3's usual size); dry run: 256
 STEP_LABEL = "bench.gpu: engine.step"  # the profiled round's record_function; events are counted inside it only
 # (event name, what it is) in the order summary.md lists them
 PROFILE_EVENTS = {
@@ -149,6 +154,35 @@ def engines(target: str, draft: str, dtype: str, max_model_len: int, max_batch: 
         for llm in (plain, spec):
             llm.engine.enable_static_forward(static_mode)
     return plain, spec
+
+
+def draft_vocab_engine(plain: specdec.LLM, target: str, draft: str, vocab: int, max_model_len: int, max_batch: int,
+                       static_mode: str | None) -> specdec.LLM:
+    """A speculative engine whose draft's LM head keeps ``DRAFT_VOCAB_SIZE`` fixed seeded ids (half the
+    vocabulary when that is smaller: the dry run's 512 ids give 256), sharing ``plain``'s target weights."""
+    import os
+
+    from specdec.spec_decode.proposers.draft_vocab import write_draft_vocab
+
+    size = min(DRAFT_VOCAB_SIZE, vocab // 2)
+    ids = torch.randperm(vocab, generator=torch.Generator().manual_seed(11))[:size].tolist()
+    path = os.path.join(os.path.dirname(os.path.abspath(draft)), f"draft_vocab_{size}.json")
+    write_draft_vocab(path, ids, [1] * size, vocab)
+    with reuse_target_weights(plain):
+        spec = specdec.LLM(target, speculative=specdec.SpeculativeConfig(
+            method="draft_model", draft_model=draft, num_speculative_tokens=K, draft_vocab=path),
+            **engine_kwargs("bfloat16", max_model_len, max_batch))  # fmt: skip
+    if static_mode is not None:
+        spec.engine.enable_static_forward(static_mode)
+    return spec
+
+
+def byte_shares(spec: specdec.LLM, spec_dv: specdec.LLM) -> dict:
+    """The draft's weight bytes over the target's (``common.weight_bytes``: what one forward reads, KV left out),
+    with its full LM head and with the reduced draft vocabulary's: the floor c is judged against."""
+    target = weight_bytes(runners(spec.engine)["target"].model)
+    return {"full_vocab": weight_bytes(runners(spec.engine)["draft"].model) / target,
+            "draft_vocab": weight_bytes(runners(spec_dv.engine)["draft"].model) / target}
 
 
 def runner_forward_seconds(runner, batch: int, context: int, q_len: int, reps: int) -> tuple[float, bool]:
@@ -294,6 +328,7 @@ def run_pair(args, name: str, target: str, draft: str, p: dict, result: dict, sa
     found = runners(spec.engine)
     target_model, draft_model = found["target"].model, found["draft"].model
     context = p["prompt_len"] + p["max_tokens"] // 2
+    spec_dv = draft_vocab_engine(plain, target, draft, vocab, max_model_len, max_batch, p["static_mode"])
     with cuda_synced_timing():
         for batch in p["batches"]:
             if out_of_time(args, 30 if args.dry_run else 60):
@@ -305,6 +340,9 @@ def run_pair(args, name: str, target: str, draft: str, p: dict, result: dict, sa
             row["costs"] = graph_costs(spec, batch, context, K, p["cost_reps"])
             row["costs_eager"] = measure_costs(target_model, draft_model, target_model.config, draft_model.config,
                                                batch, context, K)  # fmt: skip
+            row["costs_draft_vocab"] = {**graph_costs(spec_dv, batch, context, K, p["cost_reps"]),
+                                        "draft_vocab_size": min(DRAFT_VOCAB_SIZE, vocab // 2)}
+            row["byte_share"] = byte_shares(spec, spec_dv)
             entry["batches"][str(batch)] = row
             save()
         if name == "random" and not out_of_time(args, 30 if args.dry_run else 60):
@@ -319,7 +357,7 @@ def run_pair(args, name: str, target: str, draft: str, p: dict, result: dict, sa
                       f"synchronize included): {counts['counts_whole_profile']}\n\n")  # fmt: skip
             (args.out / "profile.txt").write_text(header + table + "\n")
             save()
-    del plain, spec, target_model, draft_model, found
+    del plain, spec, spec_dv, target_model, draft_model, found
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -164,6 +164,11 @@ def section_quant(quant: dict) -> list[str]:
     return lines
 
 
+def _shares(share: dict | None) -> str:
+    """The draft's weight bytes over the target's, full LM head / reduced draft vocabulary ("-": older files)."""
+    return "-" if not share else f"{share['full_vocab']:.3f} / {share['draft_vocab']:.3f}"
+
+
 def section_e2e(e2e: dict) -> list[str]:
     if not e2e:
         return ["### End to end", "", "no e2e.json (the step failed or was not selected)", ""]
@@ -198,17 +203,19 @@ def section_e2e(e2e: dict) -> list[str]:
     rows = []
     for name, entry in pairs.items():
         for batch, r in entry.get("batches", {}).items():
-            c, ce = r.get("costs", {}), r.get("costs_eager", {})
+            c, ce, cv = r.get("costs", {}), r.get("costs_eager", {}), r.get("costs_draft_vocab", {})
             rows.append([name, batch, r.get("reps"), r.get("plain_tokens_per_s"), r.get("spec_tokens_per_s"),
                          r.get("speedup"), r.get("acceptance_rate"), r.get("alpha"), r.get("tau"), c.get("c"),
-                         c.get("v_k"), c.get("target_1_ms"), (c.get("path") or {}).get("target"), ce.get("c"),
-                         ce.get("v_k"), ce.get("target_1_ms"), r.get("identical_tokens"),
+                         cv.get("c"), _shares(r.get("byte_share")), c.get("v_k"), c.get("target_1_ms"),
+                         (c.get("path") or {}).get("target"),
+                         ce.get("c"), ce.get("v_k"), ce.get("target_1_ms"), r.get("identical_tokens"),
                          r.get("requests_checked")])  # fmt: skip
         if entry.get("stopped_early"):
             lines += [f"`{name}` stopped early ({entry['stopped_early']}): out of time.", ""]
     lines += table(["pair", "batch", "reps", "plain tok/s", "spec tok/s", "speedup", "accept", "alpha", "tau", "c",
-                    "v(k)", "target decode ms", "path", "c (eager)", "v(k) (eager)", "eager decode ms",
-                    "greedy identical (bf16)", "requests checked"], rows)  # fmt: skip
+                    "c (reduced draft vocab)", "draft bytes / target (full, reduced vocab)", "v(k)",
+                    "target decode ms", "path", "c (eager)", "v(k) (eager)",
+                    "eager decode ms", "greedy identical (bf16)", "requests checked"], rows)  # fmt: skip
     static_rows = []
     for name, entry in pairs.items():
         for batch, r in entry.get("batches", {}).items():

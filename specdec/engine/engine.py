@@ -91,12 +91,14 @@ class LLMEngine:
 
     def enable_static_forward(self, mode: str, block_buckets: tuple[int, ...] | None = None) -> None:
         """Uniform batches through static forwards (specdec/runner/cuda_graphs.py): the target's decodes and chain
-        windows of every length up to k + 1, the draft model's one-token steps. Called at start-up with
-        ``"cuda_graph"`` on CUDA unless ``enforce_eager``; ``"eager"`` / ``"compile"`` exercise the same path on
-        CPU (tests, ``bench.host_overhead --static``). Takes one block of each pool for padding rows
-        (``EngineConfig.create`` sizes the pools with one to spare when graphs are on). ``block_buckets``: the
-        block-table widths served (None: one, the widest; the CPU attention gathers the whole width, so on CPU
-        several widths keep short sequences cheap). Not under tensor parallelism (``ValueError``)."""
+        windows of every length up to k + 1, the draft model's one-token steps - and in modes "cuda_graph" and
+        "eager" the pure steps of a draft model's chain round as one program (``DraftModelProposer.enable_draft_loop``,
+        specdec/runner/draft_loop.py). Called at start-up with ``"cuda_graph"`` on CUDA unless ``enforce_eager``;
+        ``"eager"`` / ``"compile"`` exercise the same path on CPU (tests, ``bench.host_overhead --static``). Takes one
+        block of each pool for padding rows (``EngineConfig.create`` sizes the pools with one to spare when graphs are
+        on). ``block_buckets``: the block-table widths served (None: one, the widest; the CPU attention gathers the
+        whole width, so on CPU several widths keep short sequences cheap). Not under tensor parallelism
+        (``ValueError``)."""
         if self.workers is not None:
             raise ValueError("static forwards (CUDA graphs, torch.compile) are not supported with "
                              "tensor_parallel_size > 1 yet")
@@ -108,6 +110,8 @@ class LLMEngine:
         draft_model = spec.draft_model if spec is not None else None
         if draft_model is not None:
             draft_model.runner.enable_static_forward(mode, (1,), max_seq_len, max_batch, block_buckets)
+            if mode in ("cuda_graph", "eager"):  # a chain round's pure draft steps as one program (CUDA graph)
+                draft_model.enable_draft_loop(mode, max_seq_len, max_batch, max(k - 1, 1))
 
     # --- lifetime ------------------------------------------------------------------------------------------
     @property

@@ -11,15 +11,20 @@ A draft vocabulary smaller than the target's (Qwen2.5-7B+ targets have 152064 id
 the draft never sees an id it does not have. Such ids in the context are fed to it as ``UNKNOWN_ID_STANDIN``
 and left out of its penalty context; its q is zero on them, so it never proposes them, and verification (which
 uses exactly that q) stays lossless - the target still emits them through the residual or bonus token.
+
+A reduced draft vocabulary (``SpeculativeConfig(draft_vocab=)``, proposers/draft_vocab.py) goes further: the draft's
+LM head keeps the rows of a subset S of target ids only, so its logits are ``[N, |S|]``. Drafts are sampled over
+those columns (penalty contexts mapped onto them) and mapped back to target ids on the device; q is scattered over
+the target's vocabulary, exactly 0 outside S. The draft is still fed every id it has (its embedding is whole).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
@@ -27,13 +32,18 @@ from specdec.device import to_device
 from specdec.kernels.philox import STREAM_DRAFT, round_stream
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
+from specdec.runner.cuda_graphs import DEFAULT_BATCH_BUCKETS, reserve_scratch_block
+from specdec.runner.draft_loop import DraftLoopRunner, LoopOutput
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.runner.model_runner import ForwardItem, ModelRunner
+from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.sampler import sample_rows
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.draft_tree import TreeShape, propose_tree
+from specdec.spec_decode.proposers.draft_vocab import DraftVocab, q_over_target
 from specdec.spec_decode.request import RequestView
 
+logger = logging.getLogger(__name__)
 UNKNOWN_ID_STANDIN = 0  # what the draft is fed in place of a target id beyond its vocabulary
 
 
@@ -58,19 +68,23 @@ class DraftModelProposer:
             None when adaptive k is off (nothing is timed).
         pool: the draft's KV pool of ``num_blocks`` blocks, when the caller built it (a tensor-parallel draft's:
             this rank's heads, compactions broadcast to the other ranks); None: a new ``KVPool``.
+        draft_vocab: the map of a reduced draft vocabulary - ``model``'s LM head then covers its ids only
+            (specdec/model/subset_head.py); None: the head covers the draft's whole vocabulary.
     """
 
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, target_vocab_size: int, max_positions: int,
                  tree_shape: TreeShape | None = None, noise_per_round: bool = False,
                  timer: ForwardTimer | None = None, on_forward: Callable[[int, float], None] | None = None,
-                 pool: KVPool | None = None):
+                 pool: KVPool | None = None, draft_vocab: DraftVocab | None = None):
         self.config = config
         self.block_manager = BlockManager(num_blocks, block_size)
         pool = pool if pool is not None else KVPool(config, num_blocks, block_size, dtype, device)
         self.runner = ModelRunner(model, pool, self.block_manager, device)
         self.target_vocab_size = target_vocab_size
         self.vocab_size = config.vocab_size  # <= target_vocab_size (proposers/compat.py)
+        self.draft_vocab = draft_vocab  # logits columns -> target ids (None: column c is id c)
+        self.loop: DraftLoopRunner | None = None  # the pure steps of chain rounds as one program (enable_draft_loop)
         self.max_positions = max_positions
         self.tree_shape = tree_shape
         self.noise_per_round = noise_per_round
@@ -101,7 +115,7 @@ class DraftModelProposer:
         """One draft forward of a chain round over the requests ``active`` (indices into ``seqs``): step 0
         feeds everything the draft cache lacks (lazy prefill / catch-up) up to the last token, a later step the
         previous step's drafts (``input_ids``, on the device; ``kept``: unused here, see :func:`draft_chains`).
-        Logits ``[len(active), V_draft]``."""
+        Logits ``[len(active), V_draft]`` (``[len(active), |S|]`` with a reduced draft vocabulary)."""
         if step == 0:
             items = self._catch_up_items([seqs[i] for i in active])
         else:  # the ids themselves come from input_ids
@@ -116,6 +130,49 @@ class DraftModelProposer:
         for i in active:
             self.kv_len[seqs[i].seq_id] = seqs[i].num_tokens + step
         return logits
+
+    def enable_draft_loop(self, mode: str, max_seq_len: int, max_batch: int, max_steps: int) -> None:
+        """Run the pure steps (1 .. k-1) of chain rounds as one program per bucket (specdec/runner/draft_loop.py):
+        a CUDA graph (``mode="cuda_graph"``) or the same program eagerly (``"eager"``: CPU tests). Uses the padding
+        block of the draft's static forward (taken here when there is none yet)."""
+        runner, bm = self.runner, self.block_manager
+        if runner.scratch_block is None:
+            runner.scratch_block = reserve_scratch_block(bm)
+        buckets = tuple(b for b in DEFAULT_BATCH_BUCKETS if b < max_batch) + (max_batch,)
+        self.loop = DraftLoopRunner(runner.model, runner.pool.tensors, block_size=bm.block_size,
+                                    max_blocks=bm.blocks_needed(max_seq_len), scratch_block=runner.scratch_block,
+                                    stream=STREAM_DRAFT, column_ids=None if self.draft_vocab is None
+                                    else self.draft_vocab.target_ids, batch_sizes=buckets, max_steps=max_steps,
+                                    mode=mode)  # fmt: skip
+
+    def pure_steps(self, seqs: list[RequestView], active: list[int], input_ids: torch.Tensor,
+                   steps: int) -> LoopOutput | None:
+        """Steps 1 .. ``steps`` of a chain round for the requests ``active`` (each drafting ``steps + 1`` tokens;
+        ``input_ids`` int64 ``[len(active)]``: step 0's drafts) through the draft loop, or None - no loop, or a round
+        it does not serve (penalties, per-round noise, adaptive k's timed steps, no bucket) - and the caller runs
+        them step by step. A loop that fails is turned off for good, with a warning."""
+        rows = [seqs[i] for i in active]
+        if (self.loop is None or self.noise_per_round or self.timer is not None
+                or any(s.params.has_penalties for s in rows)):
+            return None
+        device = self.runner.device
+        bm = self.block_manager
+        width = bm.blocks_needed(max(s.num_tokens for s in rows) + steps)
+        table_rows = [bm.row_of(s.seq_id) for s in rows]
+        tables = to_device(bm.table_array[table_rows, :width], torch.int32, device)  # [n, width]
+        positions = to_device([s.num_tokens for s in rows], torch.int64, device)  # step 1's input positions
+        meta = SamplingMetadata.build([s.params for s in rows], [s.seed for s in rows],
+                                      [s.num_tokens + 1 for s in rows], [None] * len(rows), self.loop.width, device)
+        try:
+            out = self.loop.run(input_ids, positions, tables, meta, steps)
+        except Exception as exc:  # noqa: BLE001 - the optional fast path falls back to the step-by-step loop
+            logger.warning("draft loop (%s) failed, drafting step by step from now on: %r", self.loop.mode, exc)
+            self.loop = None
+            return None
+        if out is not None:
+            for s in rows:
+                self.kv_len[s.seq_id] = s.num_tokens + steps
+        return out
 
     def _catch_up_items(self, seqs: list[RequestView]) -> list[ForwardItem]:
         """Per request, what the draft cache lacks, ending with its last token (whose logits are wanted)."""
@@ -150,7 +207,7 @@ class DraftModelProposer:
 
     def _sample(self, logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
                 bad_rows: list[torch.Tensor]):
-        return sample_draft_step(logits, seqs, step, drafts, bad_rows, self.noise_per_round)
+        return sample_draft_step(logits, seqs, step, drafts, bad_rows, self.noise_per_round, self.draft_vocab)
 
     # --- the cache after verification -----------------------------------------------------------------------
     def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
@@ -205,7 +262,7 @@ def draft_chains(drafter, seqs: list[RequestView], num_tokens: list[int]) -> Dra
     request uses penalties: their context needs the drafts so far on the host, so then each step reads its tokens
     (``token_ids`` is then filled too). q rows are laid out over the target's vocabulary."""
     step_tokens: list[torch.Tensor] = []  # per step: int64 [len(active)] drafted ids, on the device
-    step_probs: list[torch.Tensor | None] = []  # per step: fp32 [len(active), V_draft] q, None if all greedy
+    step_probs: list[torch.Tensor | None] = []  # per step: fp32 [len(active), W] q (W: logits' width), None: greedy
     owners: list[int] = []  # request of each row of torch.cat(step_tokens)
     bad_rows: list[torch.Tensor] = []  # per step: bool [len(active)] rows with NaN/inf draft logits
     host_drafts: list[list[int]] | None = [[] for _ in seqs] if any(s.params.has_penalties for s in seqs) else None
@@ -214,7 +271,7 @@ def draft_chains(drafter, seqs: list[RequestView], num_tokens: list[int]) -> Dra
     kept = None  # after step 0: rows of the previous step still drafting (int64 on the device; None: all)
     step = 0
     while active:
-        logits = drafter.chain_step(seqs, active, step, input_ids, kept)  # (len(active), V_draft)
+        logits = drafter.chain_step(seqs, active, step, input_ids, kept)  # (len(active), W)
         tokens, probs = drafter._sample(logits, [seqs[i] for i in active], step,
                                         [host_drafts[i] for i in active] if host_drafts else None, bad_rows)
         step_tokens.append(tokens)
@@ -224,6 +281,16 @@ def draft_chains(drafter, seqs: list[RequestView], num_tokens: list[int]) -> Dra
             for i, t in zip(active, tokens.tolist()):  # penalties need the drafts on the host every step
                 host_drafts[i].append(t)
         step += 1
+        if step == 1 and len({num_tokens[i] for i in active}) == 1 and num_tokens[active[0]] > 1:
+            # every request drafts the same k: steps 1 .. k-1 as one program (a CUDA graph), when the drafter can
+            rest = drafter.pure_steps(seqs, active, tokens, num_tokens[active[0]] - 1)
+            if rest is not None:
+                for j in range(rest.tokens.shape[1]):
+                    step_tokens.append(rest.tokens[:, j])
+                    step_probs.append(None if rest.probs is None else rest.probs[:, j])
+                    bad_rows.append(rest.bad_rows[:, j])
+                    owners += active
+                break
         keep = [row for row, i in enumerate(active) if num_tokens[i] > step]
         active = [active[row] for row in keep]
         kept = None if len(keep) == len(tokens) else to_device(keep, torch.int64, tokens.device)
@@ -238,28 +305,32 @@ def draft_chains(drafter, seqs: list[RequestView], num_tokens: list[int]) -> Dra
     is_onehot = [seq.params.is_greedy for seq in seqs]  # greedy drafts are deterministic: q is one-hot
     probs = None
     if any(q is not None for q in step_probs):  # some request samples: q of every row, request-major
-        # [sum(k_b), V_target]; a smaller draft vocabulary is zero-padded; the rows of one-hot (greedy)
-        # requests are never read (zeros where a step had only greedy rows)
+        # [sum(k_b), V_target]; a smaller draft vocabulary is zero-padded, a reduced one scattered; the rows of
+        # one-hot (greedy) requests are never read (zeros where a step had only greedy rows)
         width = next(q for q in step_probs if q is not None).shape[1]
         rows = [q if q is not None else t.new_zeros(t.shape[0], width, dtype=torch.float32)
                 for q, t in zip(step_probs, step_tokens)]
-        probs = torch.cat(rows)[index]  # [sum(k_b), V_draft]
-        if width < drafter.target_vocab_size:
-            probs = F.pad(probs, (0, drafter.target_vocab_size - width))
+        probs = torch.cat(rows)[index]  # [sum(k_b), W]
+        probs = q_over_target(probs, drafter.draft_vocab, drafter.target_vocab_size)  # [sum(k_b), V_target]
     # request i took part in one draft forward per draft token (the first includes its catch-up)
     return DraftProposal(host_drafts, probs, is_onehot, counts, device_ids=device_ids, bad_rows=bad,
                          num_drafts=counts)
 
 
 def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
-                      bad_rows: list[torch.Tensor], noise_per_round: bool):
+                      bad_rows: list[torch.Tensor], noise_per_round: bool, vocab: DraftVocab | None = None):
     """Draw the next draft token of each row from q, the standardized draft distribution (same transform and the
     same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts so far
     on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into ``bad_rows``, not
-    raised, so that the check costs no host read here. ``noise_per_round``: see ``DraftModelProposer``."""
+    raised, so that the check costs no host read here. ``noise_per_round``: see ``DraftModelProposer``.
+    ``vocab``: ``logits`` are over a reduced draft vocabulary's columns ``[R, |S|]``: the penalty contexts are
+    mapped onto them and the drafted columns back to target ids. Returns (target ids int64 ``[R]``, q fp32
+    ``[R, W]`` over the logits' columns or None)."""
     contexts = ([s.penalty_counts(d) if s.params.has_penalties else None for s, d in zip(seqs, drafts)]
                 if drafts is not None else [None] * len(seqs))
-    return sample_rows(
+    if vocab is not None:
+        contexts = [vocab.context(c) for c in contexts]
+    tokens, probs = sample_rows(
         logits,
         [s.params for s in seqs],
         [s.seed for s in seqs],
@@ -268,6 +339,7 @@ def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, 
         round_stream(STREAM_DRAFT, step) if noise_per_round else STREAM_DRAFT,
         bad_rows=bad_rows,
     )
+    return (vocab.to_target(tokens) if vocab is not None else tokens), probs
 
 
 def _gather_rows(step_rows: list[torch.Tensor], index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -36,6 +36,7 @@ from specdec.runner.model_runner import ForwardItem
 from specdec.sampling.penalties import penalty_rows
 from specdec.sampling.standardize import SamplingTensors, apply_penalty_rows, standardize_unchecked
 from specdec.spec_decode.proposers.base import DraftProposal
+from specdec.spec_decode.proposers.draft_vocab import q_over_target
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.tree import DraftTree
 
@@ -60,7 +61,7 @@ class _Growing:
     parents: list[int]
     depths: list[int]
     scores: list[float]  # path probability under q (the dynamic policy's priority)
-    q_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> q at it (fp32 [V_draft])
+    q_rows: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> q at it (fp32 [W], the logits' width)
     top_probs: dict[int, list[float]] = field(default_factory=dict)  # node -> its q's largest probabilities
     fed: list[int] = field(default_factory=list)  # nodes in the draft cache after the root, in cache order
 
@@ -80,8 +81,8 @@ def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budget
     :class:`~specdec.spec_decode.proposers.eagle3.Eagle3Proposer` - giving its forwards (``tree_root_forward``:
     catch-up and the roots' logits; ``tree_level_forward``: one depth of nodes, with each node's parent row in the
     previous forward), where its root sits in its cache (``tree_root_position``; the nodes follow it), its
-    vocabulary mapping (``_in_vocab``, ``target_vocab_size``) and ``tree_positions``. Returns trees in DFS order
-    with q rows per node (``DraftProposal.trees``).
+    vocabulary mapping (``_in_vocab``, ``target_vocab_size``, ``draft_vocab``) and ``tree_positions``. Returns trees
+    in DFS order with q rows per node (``DraftProposal.trees``).
     """
     grows = [_Growing(s, d, b, [s.last_token_id], [-1], [0], [1.0]) for s, d, b in zip(seqs, depth_caps, budgets)]
     active = [g for g in grows if g.depth_cap > 0 and g.budget > 0]
@@ -94,7 +95,7 @@ def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budget
     depth = 0
     while active:
         depth += 1
-        new_nodes = _expand_level(active, frontier, depth, shape)
+        new_nodes = _expand_level(drafter, active, frontier, depth, shape)
         active = [g for g in active if new_nodes[id(g)]]
         frontier = new_nodes
         feed = [g for g in active if depth < g.depth_cap and g.budget > 0]
@@ -108,10 +109,11 @@ def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budget
     return _proposal(drafter, seqs, grows)
 
 
-def _expand_level(active: list[_Growing], frontier: dict[int, list[int]], depth: int, shape: TreeShape
+def _expand_level(drafter, active: list[_Growing], frontier: dict[int, list[int]], depth: int, shape: TreeShape
                   ) -> dict[int, list[int]]:
     """Decide each frontier node's number of children (before drawing any), then draw them for every request
-    at once (one host read); the new nodes per request."""
+    at once (one host read); the new nodes per request (their tokens target ids: a reduced draft vocabulary's
+    columns mapped back, ``drafter.draft_vocab``)."""
     rows: list[tuple[_Growing, int, int]] = []  # (request, node, children asked)
     for g in active:
         for node, count in zip(frontier[id(g)], _child_counts(g, frontier[id(g)], depth, shape)):
@@ -120,18 +122,20 @@ def _expand_level(active: list[_Growing], frontier: dict[int, list[int]], depth:
     new: dict[int, list[int]] = {id(g): [] for g in active}
     if not rows:
         return new
-    q = torch.stack([g.q_rows[node] for g, node, _ in rows])  # (F, V_draft)
+    q = torch.stack([g.q_rows[node] for g, node, _ in rows])  # (F, W)
     greedy = [g.seq.params.is_greedy for g, _, _ in rows]
     keys = q  # greedy rows: the top-c tokens of q
     if not all(greedy):
         seeds = to_device([g.seq.seed for g, _, _ in rows], torch.int64, q.device)
         positions = to_device([g.seq.num_tokens + depth - 1 for g, _, _ in rows], torch.int64, q.device)
-        noise = row_exponentials(seeds, positions, STREAM_DRAFT, q.shape[-1])  # (F, V_draft), on q's device
+        noise = row_exponentials(seeds, positions, STREAM_DRAFT, q.shape[-1])  # (F, W), on q's device
         # sampled rows: the top-c of q / E, c draws without replacement from q
         keys = torch.where(to_device(greedy, torch.bool, q.device)[:, None], q, q / noise)
     width = max(c for _, _, c in rows)
     values, ids = torch.topk(keys, width, dim=-1)  # (F, width)
     picked = q.gather(1, ids)  # (F, width) q of each child
+    if drafter.draft_vocab is not None:  # columns of a reduced draft vocabulary -> target ids
+        ids = drafter.draft_vocab.to_target(ids)
     flat = torch.cat([values.flatten(), ids.flatten().to(q.dtype), picked.flatten()]).tolist()
     n = values.numel()
     for r, (g, node, count) in enumerate(rows):
@@ -193,8 +197,10 @@ def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], sh
     q and its largest probabilities per node. NaN/inf rows raise (the engine fails their requests)."""
     params = [g.seq.params for g, _ in rows]
     st = SamplingTensors.from_params(params, logits.device)
-    if st.any_penalty:  # ids beyond the draft's vocabulary are dropped (they have no logit to penalise)
+    if st.any_penalty:  # ids beyond the draft's vocabulary (or outside a reduced one) have no logit to penalise
         contexts = [g.seq.penalty_counts(g.path_tokens(n)) if g.seq.params.has_penalties else None for g, n in rows]
+        if drafter.draft_vocab is not None:  # target ids -> the reduced vocabulary's columns
+            contexts = [drafter.draft_vocab.context(c) for c in contexts]
         logits = apply_penalty_rows(logits, penalty_rows(contexts, logits.shape[-1], logits.device), st)
     probs, bad = standardize_unchecked(logits, st)  # greedy rows: q at temperature 1 (its order is the argmax's)
     # the dynamic policy ranks candidates by q's largest probabilities; a static shape needs none
@@ -212,7 +218,8 @@ def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], sh
 
 
 def _proposal(drafter, seqs: list[RequestView], grows: list[_Growing]) -> DraftProposal:
-    """Re-number every tree in DFS order and lay out q per node (rows of the target vocabulary, zero-padded)."""
+    """Re-number every tree in DFS order and lay out q per node (rows of the target vocabulary: zero-padded, or
+    scattered from a reduced draft vocabulary's columns - ``draft_vocab.q_over_target``)."""
     trees, q_lists = [], []
     for g in grows:
         drafter.tree_positions[g.seq.seq_id] = {}
@@ -237,12 +244,16 @@ def _proposal(drafter, seqs: list[RequestView], grows: list[_Growing]) -> DraftP
         vocab = drafter.target_vocab_size
         device = next((q for qs in q_lists for q in qs if q is not None), torch.empty(0)).device
         probs = torch.zeros(sum(len(t.token_ids) for t in trees), vocab, dtype=torch.float32, device=device)
-        row = 0
+        rows, qs_kept, row = [], [], 0
         for qs, onehot in zip(q_lists, is_onehot):
             for q in qs:
                 if q is not None and not onehot:
-                    probs[row, : q.shape[0]] = q
+                    rows.append(row)
+                    qs_kept.append(q)
                 row += 1
+        if rows:  # one scatter for every node with a q: [len(rows), W] -> [len(rows), V]
+            probs[to_device(rows, torch.int64, device)] = q_over_target(torch.stack(qs_kept), drafter.draft_vocab,
+                                                                        vocab)
     forwards = [max(t.depths) if t.num_drafts else (1 if g.depth_cap > 0 and g.budget > 0 else 0)
                 for t, g in zip(trees, grows)]
     return DraftProposal([list(t.token_ids[1:]) for t in trees], probs, is_onehot, forwards, trees)

@@ -69,6 +69,7 @@ class Eagle3Proposer:
         self.runner = ModelRunner(head, pool, self.block_manager, device)  # stages the head's forwards (prepare)
         # logits and q are laid out over the target's vocabulary (Eagle3Head.to_target_vocab)
         self.target_vocab_size = self.vocab_size = self.config.vocab_size
+        self.draft_vocab = None  # its logits already span the target's vocabulary (no column map to apply)
         self.max_positions = max_positions
         self.tree_shape = tree_shape
         self.noise_per_round = noise_per_round
@@ -139,6 +140,11 @@ class Eagle3Proposer:
         can = [self._can_draft(s) for s in seqs]
         return propose_tree(self, seqs, [d if c else 0 for d, c in zip(max_depths, can)],
                             [n if c else 0 for n, c in zip(max_nodes, can)], shape)
+
+    def pure_steps(self, seqs: list[RequestView], active: list[int], input_ids: torch.Tensor, steps: int) -> None:
+        """None: a head's steps feed its own hidden states back, so ``draft_chains`` runs them step by step (the
+        draft model's one-program loop, ``DraftModelProposer.pure_steps``, does not apply)."""
+        return None
 
     def chain_step(self, seqs: list[RequestView], active: list[int], step: int, input_ids: torch.Tensor | None,
                    kept: torch.Tensor | None) -> torch.Tensor:

@@ -11,8 +11,10 @@ from specdec.config import EngineConfig, SpeculativeConfig, draft_model_dtype, e
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
+from specdec.model.linear import prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
 from specdec.model.loader import load_model, read_checkpoint_tensor, resolve_model_path
+from specdec.model.subset_head import restrict_lm_head
 from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.spec_decode.proposers.base import ModelFreeProposer, Proposer
@@ -20,6 +22,7 @@ from specdec.spec_decode.proposers.combined import CombinedProposer
 from specdec.spec_decode.proposers.compat import check_draft_compatible
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer
 from specdec.spec_decode.proposers.draft_tree import TreeShape
+from specdec.spec_decode.proposers.draft_vocab import DraftVocab, read_draft_vocab
 from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
 from specdec.spec_decode.proposers.ngram import NgramProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
@@ -118,19 +121,38 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
         shared = target_model.embed_tokens.weight if share else None
     # the draft writes positions up to max_model_len - 1 at most, like the target
     max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
+    subset = (read_draft_vocab(spec.draft_vocab, spec.draft_vocab_size, config.model_config.vocab_size,
+                               draft_config.vocab_size) if spec.draft_vocab is not None else None)
     if shard is not None:  # sharded over every rank (specdec/engine/tensor_parallel.py loaded it)
+        assert subset is None, "a reduced draft vocabulary is refused for a sharded draft (check_draft_tensor_parallel)"
         model, pool = shard
         return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
                                   config.model_config.vocab_size, max_positions, tree_shape=_tree_shape(spec),
                                   noise_per_round=spec.verify == "block", timer=timer, on_forward=on_forward,
                                   pool=pool)
+    # a reduced vocabulary cuts the plain head first: packing and quantising the head come after (_cut_head)
     model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
-                       False if config.prepack_weights is False else None,  # its dtype may not support prepacking
+                       False if config.prepack_weights is False or subset is not None else None,
                        spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared,
-                       quantize_lm_head=spec.draft_quantize_lm_head)
-    if share and draft_config.tie_word_embeddings and not spec.draft_quantize_lm_head:
+                       quantize_lm_head=False if subset is not None else spec.draft_quantize_lm_head)
+    if subset is not None:
+        _cut_head(model, subset, spec, draft_config, dtype, config)
+    elif share and draft_config.tie_word_embeddings and not spec.draft_quantize_lm_head:
         model.lm_head = target_model.lm_head  # the tied head is the embedding's rows (and their packed copy): share
+    vocab = DraftVocab(subset, config.model_config.vocab_size, config.device) if subset is not None else None
     return DraftModelProposer(model, draft_config, config.num_kv_blocks, config.block_size, dtype, config.device,
                               config.model_config.vocab_size, max_positions, tree_shape=_tree_shape(spec),
                               noise_per_round=spec.verify == "block",  # fresh drafts every round (block_verify.py)
-                              timer=timer, on_forward=on_forward)
+                              timer=timer, on_forward=on_forward, draft_vocab=vocab)
+
+
+def _cut_head(model: LlamaForCausalLM, subset, spec: SpeculativeConfig, draft_config: ModelConfig, dtype,
+              config: EngineConfig) -> None:
+    """Cut the freshly loaded draft's plain LM head to the reduced vocabulary ``subset`` (int64 [S]), quantise the
+    cut head where the full one would have been (``draft_quantize_lm_head``: None quantises an untied head), then
+    prepack the model's plain linears as ``load_model`` would have."""
+    quantize = spec.draft_quantization is not None and (
+        spec.draft_quantize_lm_head or (spec.draft_quantize_lm_head is None and not draft_config.tie_word_embeddings))
+    restrict_lm_head(model, subset, spec.draft_quantization if quantize else None, spec.draft_quantization_group_size)
+    if config.prepack_weights is not False and prepack_supported(dtype, config.device):
+        prepack_linears(model)
