@@ -66,8 +66,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None)
         raise ValueError(f"x must be fp32/fp16/bf16, got {x.dtype}")
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError("x must have unit column stride (call .contiguous())")
-    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(f"weight must be {x.dtype} [{x.shape[1]}] on {x.device}, got {weight.dtype} "
+    if (weight.shape != (x.shape[1],) or weight.dtype != x.dtype or weight.device != x.device
+            or not weight.is_contiguous()):
+        raise ValueError(f"weight must be a contiguous {x.dtype} [{x.shape[1]}] on {x.device}, got {weight.dtype} "
                          f"{tuple(weight.shape)} on {weight.device}")
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:

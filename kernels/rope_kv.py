@@ -97,8 +97,8 @@ def _check(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, 
         raise ValueError("k_cache and v_cache must be contiguous")
     tokens = qkv.shape[0]
     for name, idx in (("positions", positions), ("slot_mapping", slot_mapping)):
-        if idx.shape != (tokens,) or idx.dtype != torch.int64:
-            raise ValueError(f"{name} must be int64 [{tokens}], got {idx.dtype} {tuple(idx.shape)}")
+        if idx.shape != (tokens,) or idx.dtype != torch.int64 or (tokens > 1 and idx.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous int64 [{tokens}], got {idx.dtype} {tuple(idx.shape)}")
     for name, table in (("cos", cos), ("sin", sin)):
         if table.ndim != 2 or table.shape[1] != head_dim or table.dtype != torch.float32 or not table.is_contiguous():
             raise ValueError(f"{name} must be a contiguous fp32 [max_positions, {head_dim}] table, got {table.dtype} "
@@ -112,8 +112,8 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
                   num_kv_heads: int) -> torch.Tensor:
     """Triton rope + paged K/V write; same contract as :func:`rope_write_kv_reference`. Positions must index rows
-    of the tables and slots the cache (not checked on the host: that would read the device); a negative slot is
-    skipped (nothing written)."""
+    of the tables and slots the cache (not checked on the host: that would read the device). A negative slot is not
+    valid input: the kernel writes nothing for it (no write out of bounds), the reference's indexing would wrap."""
     _check(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
     tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)

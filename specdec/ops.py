@@ -75,13 +75,20 @@ def fused_forward(enabled: bool) -> Iterator[None]:
         _fuse_forward = previous
 
 
-def fuse_forward(x: torch.Tensor) -> bool:
-    """True iff the model forward's elementwise ops (norms, rope + K/V write, SiLU-mul) on ``x`` should run their
-    fused Triton kernels: ``use_triton(x)``, except inside ``fused_forward(False)``, while ``torch.compile`` traces
-    (Inductor fuses the torch references itself: the two strategies the GPU benchmark compares) and under autograd
-    (the kernels have no backward; EAGLE-3 head training runs the references)."""
+def fuse_forward(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """True iff the model forward's elementwise ops (norms, rope + K/V write, SiLU-mul) on ``x`` (with weights
+    ``params``) should run their fused Triton kernels: ``use_triton(x)``, except inside ``fused_forward(False)``,
+    while ``torch.compile`` traces (Inductor fuses the torch references itself: the two strategies the GPU benchmark
+    compares) and under autograd (the kernels have no backward; EAGLE-3 head training runs the references)."""
     return (_fuse_forward and use_triton(x) and not torch.compiler.is_dynamo_compiling()
-            and not (torch.is_grad_enabled() and x.requires_grad))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *params))))
+
+
+def _norm_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The fused norm's launcher takes these (2-D, unit column stride, one dtype, a row it can hold); else the
+    reference runs."""
+    return (x.ndim == 2 and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous()
+            and x.shape[1] <= _rms_norm.MAX_HIDDEN)
 
 
 def _launcher(module, name: str):
@@ -125,7 +132,7 @@ def paged_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x [T, hidden]`` (model dtype) with ``weight [hidden]``; see ``specdec.kernels.rms_norm``."""
-    if fuse_forward(x) and x.ndim == 2 and weight.dtype == x.dtype:
+    if fuse_forward(x, weight) and _norm_kernel_fits(x, weight):
         return _launcher(_rms_norm, "fused_add_rms_norm")(x, weight, eps)[0]
     return _rms_norm.rms_norm_reference(x, weight, eps)
 
@@ -135,14 +142,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """``(rms_norm(stream), stream)`` with ``stream = x + residual`` (``x`` alone when ``residual`` is None), all
     ``[T, hidden]`` in the model dtype. The fused kernel writes ``stream`` into ``residual``'s storage: use the
     returned stream, never the old ``residual``. See ``specdec.kernels.rms_norm``."""
-    if fuse_forward(x) and x.ndim == 2 and weight.dtype == x.dtype:
+    if (fuse_forward(x, weight) and _norm_kernel_fits(x, weight)
+            and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1))):
         return _launcher(_rms_norm, "fused_add_rms_norm")(x, weight, eps, residual)
     return _rms_norm.fused_add_rms_norm_reference(x, weight, eps, residual)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of the fused gate/up projection ``[T, 2I] -> [T, I]``; see ``specdec.kernels.silu_mul``."""
-    if fuse_forward(gate_up) and gate_up.ndim == 2:
+    if fuse_forward(gate_up) and gate_up.ndim == 2 and gate_up.stride(-1) == 1:
         return _launcher(_silu_mul, "silu_mul")(gate_up)
     return _silu_mul.silu_mul_reference(gate_up)
 

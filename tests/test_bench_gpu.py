@@ -85,7 +85,10 @@ def test_dry_run_from_the_repository(tmp_path):
             assert set(timed) == {"plain", "spec"} and set(timed["spec"]) == {"target", "draft"}
             for by_runner in timed.values():
                 for counts in by_runner.values():
-                    assert counts["mode"] == "eager" and counts["replays"] > 0 and counts["buckets"] == 0
+                    assert counts["mode"] == "eager" and counts["buckets"] == 0
+            assert timed["plain"]["target"]["replays"] > 0 and timed["spec"]["target"]["replays"] > 0
+            # the draft's pure steps: through its draft loop (one program per round), not step by step
+            assert timed["spec"]["draft"]["loop_steps"] > 0
     graphs = e2e["pairs"]["random"]["graphs_vs_eager"]
     assert graphs["1"]["static_timed"]["graphs"]["target"]["replays"] > 0
     assert graphs["1"]["static_timed"]["eager"]["target"]["mode"] is None

@@ -63,6 +63,15 @@ def test_loop_with_a_reduced_draft_vocabulary(pair, tmp_path):
     assert with_loop.engine.speculative.draft_model.loop.num_runs > 0
 
 
+def test_loop_with_a_quantised_draft_head(pair):
+    """A quantised LM head has no plain weight: the loop takes its width from ``out_features``."""
+    ps = prompts(2, seed=5)
+    kwargs = dict(draft_quantization="int8", draft_quantize_lm_head=True)
+    with_loop = engine(pair, loop=True, **kwargs)
+    assert run(with_loop, ps, SAMPLED) == run(engine(pair, loop=False, **kwargs), ps, SAMPLED)
+    assert with_loop.engine.speculative.draft_model.loop.num_runs > 0
+
+
 def test_rounds_the_loop_does_not_serve_run_step_by_step(pair):
     with_loop = engine(pair, loop=True)
     loop = with_loop.engine.speculative.draft_model.loop

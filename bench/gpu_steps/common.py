@@ -129,14 +129,19 @@ def runners(engine) -> dict:
 def static_stats(engine) -> dict[str, dict]:
     """Per runner (``runners``), cumulative: the static-forward mode (``"cuda_graph"`` on CUDA, None when every
     forward is eager), its forwards, the static replays, the fallbacks (uniform batches no bucket served), the eager
-    forwards (everything not replayed: prefill, ragged and mixed batches, fallbacks) and the buckets captured."""
+    forwards (everything not replayed: prefill, ragged and mixed batches, fallbacks), the buckets captured, and for
+    the draft model the forwards its draft loop ran (``loop_steps``: a chain round's pure steps, one program - a
+    CUDA graph on CUDA - per round; specdec/runner/draft_loop.py)."""
     stats = {}
+    draft_model = engine.speculative.draft_model if engine.speculative is not None else None
     for role, runner in runners(engine).items():
         static = runner.static
         replays = static.num_replays if static is not None else 0
+        loop = getattr(draft_model, "loop", None) if role == "draft" else None
+        loop_steps = loop.num_steps if loop is not None else 0
         stats[role] = {"mode": static.mode if static is not None else None, "forwards": runner.num_forwards,
                        "replays": replays, "fallbacks": static.num_fallbacks if static is not None else 0,
-                       "eager_forwards": runner.num_forwards - replays,
+                       "loop_steps": loop_steps, "eager_forwards": runner.num_forwards - replays - loop_steps,
                        "buckets": len(static._batches) if static is not None else 0}  # fmt: skip
     return stats
 
@@ -148,9 +153,11 @@ def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
     for role, now in after.items():
         then = before.get(role, {})
         row = {"mode": now["mode"], **{key: now[key] - then.get(key, 0) for key in
-                                       ("forwards", "replays", "fallbacks", "eager_forwards", "buckets")}}
+                                       ("forwards", "replays", "fallbacks", "loop_steps", "eager_forwards",
+                                        "buckets")}}
         if then.get("mode") != now["mode"]:
-            row = {**row, "replays": None, "fallbacks": None, "eager_forwards": None, "buckets": None,
+            row = {**row, "replays": None, "fallbacks": None, "loop_steps": None, "eager_forwards": None,
+                   "buckets": None,
                    "note": f"static forward {then.get('mode')} -> {now['mode']} in between (a failed capture?)"}
         delta[role] = row
     return delta

@@ -222,12 +222,14 @@ def section_e2e(e2e: dict) -> list[str]:
             for engine, by_runner in (r.get("static", {}).get("timed") or {}).items():
                 for runner, d in by_runner.items():
                     static_rows.append([name, batch, engine, runner, d.get("mode"), d.get("forwards"),
-                                        d.get("replays"), d.get("fallbacks"), d.get("eager_forwards"),
-                                        d.get("buckets"), d.get("note")])  # fmt: skip
+                                        d.get("replays"), d.get("loop_steps", "-"), d.get("fallbacks"),
+                                        d.get("eager_forwards"), d.get("buckets"), d.get("note")])  # fmt: skip
     if static_rows:
         lines += ["Static forwards during the timed runs, every runner (`buckets captured` > 0 would mean a capture "
-                  "inside a timed run; `eager` forwards are prefill and ragged or mixed batches):", ""]  # fmt: skip
-        lines += table(["pair", "batch", "engine", "runner", "mode", "forwards", "replays", "fallbacks", "eager",
+                  "inside a timed run; `eager` forwards are prefill and ragged or mixed batches; `draft loop steps`: "
+                  "the draft's pure steps as one program per round, specdec/runner/draft_loop.py):", ""]  # fmt: skip
+        lines += table(["pair", "batch", "engine", "runner", "mode", "forwards", "replays", "draft loop steps",
+                        "fallbacks", "eager",
                         "buckets captured", "note"], static_rows)  # fmt: skip
     graphs = pairs.get("random", {}).get("graphs_vs_eager")
     if graphs:

@@ -110,8 +110,12 @@ class LLMEngine:
         draft_model = spec.draft_model if spec is not None else None
         if draft_model is not None:
             draft_model.runner.enable_static_forward(mode, (1,), max_seq_len, max_batch, block_buckets)
+            draft_model.loop = None  # a second call in another mode drops the earlier loop
             if mode in ("cuda_graph", "eager"):  # a chain round's pure draft steps as one program (CUDA graph)
-                draft_model.enable_draft_loop(mode, max_seq_len, max_batch, max(k - 1, 1))
+                try:
+                    draft_model.enable_draft_loop(mode, max_seq_len, max_batch, max(k - 1, 1))
+                except Exception as exc:  # noqa: BLE001 - the optional fast path: draft step by step instead
+                    logger.warning("draft loop (%s) not enabled, drafting step by step: %r", mode, exc)
 
     # --- lifetime ------------------------------------------------------------------------------------------
     @property

@@ -16,8 +16,10 @@ persistent buffers, whose per-step updates happen on the device:
 captured once per bucket ``(batch, steps, block-table width, sampling kind)`` as a CUDA graph (mode
 ``"cuda_graph"``) or run as is (mode ``"eager"``: the same program, the CPU's check of the arithmetic). The sampler
 is the engine's own (``sampling.sampler.sample_with_metadata``: greedy argmax, or temperature / top-k / top-p /
-min-p and the Philox draw keyed by (seed, position, stream)), so a replay draws exactly what the step-by-step loop
-draws. Padding rows (a batch of n in a bucket of more) repeat row 0's settings - so the bucket's greedy / sampled
+min-p and the Philox draw keyed by (seed, position, stream)), so a replay draws what the step-by-step loop draws -
+up to the LM head's rounding: the program runs it on the bucket's rows, padding included, and a GPU's GEMM
+may round a row differently at another row count (on the CPU, at equal counts, the tests see identical tokens and
+q). Padding rows (a batch of n in a bucket of more) repeat row 0's settings - so the bucket's greedy / sampled
 kind is the batch's - and feed token 0 at positions 0.. of the scratch block: they write and read only it.
 
 Not served here (the caller's step-by-step loop runs instead): penalties (their context needs each step's drafts on
@@ -78,8 +80,7 @@ class _LoopBuffers:
         self.block_size = block_size
         self.tokens = torch.zeros(n, key.steps, dtype=torch.int64, device=device)
         self.bad = torch.zeros(n, key.steps, dtype=torch.bool, device=device)
-        self.probs = (None if key.kind.startswith("greedy")
-                      else torch.zeros(n, key.steps, width, dtype=torch.float32, device=device))  # fmt: skip
+        self.probs: torch.Tensor | None = None  # fp32 [n, steps, W], shared by the kinds of (batch, steps)
         self.st: SamplingTensors | None = None  # static settings [n], made at the first fill
         self.seeds = torch.zeros(n, dtype=torch.int64, device=device)
         self.sample_positions = torch.zeros(n, dtype=torch.int64, device=device)
@@ -155,10 +156,15 @@ class DraftLoopRunner:
         self.max_steps = max_steps
         self.mode = mode
         self.device = device
-        self.width = column_ids.shape[0] if column_ids is not None else model.lm_head.weight.shape[0]
+        # NOTE: out_features, not weight.shape: a quantised head (QuantizedLinear) has no plain weight
+        self.width = column_ids.shape[0] if column_ids is not None else model.lm_head.out_features
         self._buffers: dict[LoopKey, _LoopBuffers] = {}
+        # q of every draw, [batch, steps, W] fp32 (64 x 7 x 128256 x 4 B = 230 MB at k = 8): one per (batch, steps),
+        # shared by its sampling kinds - one round runs at a time, and its q is copied out before the next
+        self._probs: dict[tuple[int, int], torch.Tensor] = {}
         self._graph_pool = None
         self.num_runs = 0  # rounds served
+        self.num_steps = 0  # draft forwards served (steps of those rounds)
         self.num_fallbacks = 0  # run() calls answered None
 
     def bucket(self, num_rows: int, steps: int, width: int, kind: str) -> LoopKey | None:
@@ -191,6 +197,11 @@ class DraftLoopRunner:
         buffers = self._buffers.get(key)
         if buffers is None:
             buffers = _LoopBuffers(key, self.width, self.block_size, self.scratch_block, self.device)
+            if not key.kind.startswith("greedy"):
+                shape = (key.batch, key.steps)
+                if shape not in self._probs:
+                    self._probs[shape] = torch.zeros(*shape, self.width, dtype=torch.float32, device=self.device)
+                buffers.probs = self._probs[shape]
             buffers.fill(ids, positions, block_tables, meta, self.scratch_block)
             if self.mode == "cuda_graph":
                 # NOTE: the warm-up and the capture run the program on this round's rows: they write the K/V the
@@ -203,6 +214,7 @@ class DraftLoopRunner:
         else:
             self._program(buffers)
         self.num_runs += 1
+        self.num_steps += steps
         return LoopOutput(buffers.tokens[:n, :steps], None if buffers.probs is None else buffers.probs[:n, :steps],
                           buffers.bad[:n, :steps])
 

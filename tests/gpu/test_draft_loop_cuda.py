@@ -28,7 +28,7 @@ def models(tmp_path_factory):
 def test_captured_draft_loop_equals_the_step_by_step_loop(models, params, no_tf32):
     gen = torch.Generator().manual_seed(0)
     ps = [torch.randint(0, 257, (int(torch.randint(3, 40, (1,), generator=gen)),), generator=gen).tolist()
-          for _ in range(5)]
+          for _ in range(4)]  # a whole bucket: the LM head sees as many rows in both loops (GEMM rounding)
 
     def make(loop: bool):
         llm = specdec.LLM(models[0], dtype="float32", device="cuda", block_size=16, max_model_len=256,

@@ -167,7 +167,7 @@ def test_rope_write_kv_input_errors(device):
     args = [t.to(device) for t in (qkv, positions, cos, sin, cache, cache.clone(), slots)]
     with pytest.raises(ValueError, match="columns"):
         rope_write_kv(*args, 3, 1)
-    with pytest.raises(ValueError, match="positions must be int64"):
+    with pytest.raises(ValueError, match="positions must be a contiguous int64"):
         rope_write_kv(args[0], args[1].int(), *args[2:], 2, 1)
     with pytest.raises(ValueError, match="cos must be"):
         rope_write_kv(args[0], args[1], args[2].double(), *args[3:], 2, 1)

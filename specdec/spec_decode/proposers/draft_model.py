@@ -170,6 +170,7 @@ class DraftModelProposer:
             self.loop = None
             return None
         if out is not None:
+            self.runner.num_forwards += steps  # one forward per pure step, as the step-by-step loop counts them
             for s in rows:
                 self.kv_len[s.seq_id] = s.num_tokens + steps
         return out
@@ -281,7 +282,8 @@ def draft_chains(drafter, seqs: list[RequestView], num_tokens: list[int]) -> Dra
             for i, t in zip(active, tokens.tolist()):  # penalties need the drafts on the host every step
                 host_drafts[i].append(t)
         step += 1
-        if step == 1 and len({num_tokens[i] for i in active}) == 1 and num_tokens[active[0]] > 1:
+        if (step == 1 and host_drafts is None and len({num_tokens[i] for i in active}) == 1
+                and num_tokens[active[0]] > 1):
             # every request drafts the same k: steps 1 .. k-1 as one program (a CUDA graph), when the drafter can
             rest = drafter.pure_steps(seqs, active, tokens, num_tokens[active[0]] - 1)
             if rest is not None:
