@@ -75,7 +75,7 @@ def fused_forward(enabled: bool) -> Iterator[None]:
         _fuse_forward = previous
 
 
-def fuse_forward(x: torch.Tensor, *params: torch.Tensor) -> bool:
+def _use_fused_kernels(x: torch.Tensor, *params: torch.Tensor) -> bool:
     """True iff the model forward's elementwise ops (norms, rope + K/V write, SiLU-mul) on ``x`` (with weights
     ``params``) should run their fused Triton kernels: ``use_triton(x)``, except inside ``fused_forward(False)``,
     while ``torch.compile`` traces (Inductor fuses the torch references itself: the two strategies the GPU benchmark
@@ -132,7 +132,7 @@ def paged_attention(
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x [T, hidden]`` (model dtype) with ``weight [hidden]``; see ``specdec.kernels.rms_norm``."""
-    if fuse_forward(x, weight) and _norm_kernel_fits(x, weight):
+    if _use_fused_kernels(x, weight) and _norm_kernel_fits(x, weight):
         return _launcher(_rms_norm, "fused_add_rms_norm")(x, weight, eps)[0]
     return _rms_norm.rms_norm_reference(x, weight, eps)
 
@@ -142,7 +142,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """``(rms_norm(stream), stream)`` with ``stream = x + residual`` (``x`` alone when ``residual`` is None), all
     ``[T, hidden]`` in the model dtype. The fused kernel writes ``stream`` into ``residual``'s storage: use the
     returned stream, never the old ``residual``. See ``specdec.kernels.rms_norm``."""
-    if (fuse_forward(x, weight) and _norm_kernel_fits(x, weight)
+    if (_use_fused_kernels(x, weight) and _norm_kernel_fits(x, weight)
             and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1))):
         return _launcher(_rms_norm, "fused_add_rms_norm")(x, weight, eps, residual)
     return _rms_norm.fused_add_rms_norm_reference(x, weight, eps, residual)
@@ -150,7 +150,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of the fused gate/up projection ``[T, 2I] -> [T, I]``; see ``specdec.kernels.silu_mul``."""
-    if fuse_forward(gate_up) and gate_up.ndim == 2 and gate_up.stride(-1) == 1:
+    if _use_fused_kernels(gate_up) and gate_up.ndim == 2 and gate_up.stride(-1) == 1:
         return _launcher(_silu_mul, "silu_mul")(gate_up)
     return _silu_mul.silu_mul_reference(gate_up)
 
@@ -160,7 +160,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                   num_kv_heads: int) -> torch.Tensor:
     """Rotate q and k of ``qkv [T, (Hq + 2 Hkv) * D]``, write k and v into their cache slots, return ``q [T, Hq,
     D]``; see ``specdec.kernels.rope_kv``."""
-    fn = _launcher(_rope_kv, "rope_write_kv") if fuse_forward(qkv) else _rope_kv.rope_write_kv_reference
+    fn = _launcher(_rope_kv, "rope_write_kv") if _use_fused_kernels(qkv) else _rope_kv.rope_write_kv_reference
     return fn(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
 
 

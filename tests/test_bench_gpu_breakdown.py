@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from bench.gpu_steps import graph_timing
-from bench.gpu_steps.breakdown import kv_token_bytes, weight_bytes
+from bench.gpu_steps.breakdown import forward_weight_bytes, kv_token_bytes
 from bench.gpu_steps.kernel_groups import (
     GROUPS,
     RULES,
@@ -171,9 +171,10 @@ class TinyLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
 
-def test_weight_bytes_counts_a_tied_embedding_once_and_an_untied_one_not_at_all():
-    assert weight_bytes(TinyLM(tied=True)) == (40 + 16) * 4
-    assert weight_bytes(TinyLM(tied=False)) == (16 + 40) * 4  # the LM head's own matrix; the embedding: a few rows
+def test_forward_weight_bytes_counts_a_tied_embedding_once_and_an_untied_one_not_at_all():
+    assert forward_weight_bytes(TinyLM(tied=True)) == (40 + 16) * 4
+    # the LM head's own matrix; the embedding: a forward reads a few rows of it
+    assert forward_weight_bytes(TinyLM(tied=False)) == (16 + 40) * 4
     pool = SimpleNamespace(tensors=(torch.zeros(3, 5, 16, 2, 8, dtype=torch.bfloat16),) * 2)  # (L, blocks, bs, Hkv, D)
     assert kv_token_bytes(SimpleNamespace(pool=pool)) == 2 * 3 * 2 * 8 * 2
 

@@ -5,7 +5,8 @@ Models: the e2e step's ``random`` pair (``bench.gpu_steps.e2e.plan``): a Llama-3
 independent Llama-3.2-1B-shaped draft, random bf16 weights (``bench.gpu_steps.models``). Cases, in this order:
   decode      one plain decode step (``engine.step`` of a plain engine: the static forward - on CUDA the replay of
               the engine's CUDA graph -, the LM head, greedy sampling) of each model at batch 1 and 8;
-  spec round  one speculative round of the 3B drafted by the 1B (k = 4, greedy) at batch 1 and 8;
+  spec round  one speculative round of the 3B drafted by the 1B (k = 4, greedy) at batch 1 and 8, and again with
+              the draft's steps one by one (the draft loop set aside: "fused, no draft loop");
   unfused     the same decodes and round with ``ops.fused_forward(False)``: the forward's norms, rope + K/V write
               and SiLU-mul as separate torch ops (the forward before the fused kernels; engines of their own,
               whose CUDA graphs are captured inside that context) - the before/after on one card in one run;
@@ -44,6 +45,7 @@ import specdec
 from bench.gpu_steps import e2e
 from bench.gpu_steps.common import (
     copy_bandwidth_gbps,
+    forward_weight_bytes,
     out_of_time,
     parse_args,
     runners,
@@ -51,7 +53,6 @@ from bench.gpu_steps.common import (
     stats_delta,
     sync,
     synced_timed,
-    weight_bytes,
     write_json,
 )
 from bench.gpu_steps.kernel_groups import GROUPS, cpu_op_rows, device_kernel_rows, group_kernels
@@ -84,7 +85,7 @@ def step_bytes(engine, delta: dict, context_tokens: int) -> dict:
     """The bytes a step must read: per runner, ``forwards`` x (its model's weights + ``context_tokens`` of KV)."""
     per = {}
     for role, runner in runners(engine).items():
-        per[role] = {"forwards": delta[role]["forwards"], "weights": weight_bytes(runner.model),
+        per[role] = {"forwards": delta[role]["forwards"], "weights": forward_weight_bytes(runner.model),
                      "kv": kv_token_bytes(runner) * context_tokens}  # fmt: skip
     return {"runners": per, "context_tokens": context_tokens,
             "total": sum(r["forwards"] * (r["weights"] + r["kv"]) for r in per.values())}  # fmt: skip
@@ -162,9 +163,19 @@ def profile_step(engine, ids: list[str], cuda: bool) -> tuple[list, dict]:
 
 def run_case(llm: specdec.LLM, label: dict, prompts: list[list[int]], p: dict, cuda: bool, copy_gbps: float) -> dict:
     """One case (``label``: model, step, batch, forward): warm-up, timed steps, the profiled step, its groups and
-    bound. ``label["forward"] == "unfused"``: everything inside ``ops.fused_forward(False)``."""
-    with ops.fused_forward(label.get("forward", "fused") != "unfused"):
-        return _run_case(llm, label, prompts, p, cuda, copy_gbps)
+    bound. ``label["forward"] == "unfused"``: everything inside ``ops.fused_forward(False)``; ``"fused, no draft
+    loop"``: the draft model's steps one by one (its draft loop, specdec/runner/draft_loop.py, set aside for the
+    case)."""
+    draft_model = llm.engine.speculative.draft_model if llm.engine.speculative is not None else None
+    loop = draft_model.loop if draft_model is not None else None
+    if loop is not None and label.get("forward") == "fused, no draft loop":
+        draft_model.loop = None
+    try:
+        with ops.fused_forward(label.get("forward", "fused") != "unfused"):
+            return _run_case(llm, label, prompts, p, cuda, copy_gbps)
+    finally:
+        if draft_model is not None:
+            draft_model.loop = loop
 
 
 def _run_case(llm: specdec.LLM, label: dict, prompts: list[list[int]], p: dict, cuda: bool, copy_gbps: float) -> dict:
@@ -223,7 +234,8 @@ def measure(args, p: dict, work: str, cuda: bool, result: dict, save) -> None:
     spec_label = {"model": f"{name3}, {name1} drafting", "step": "spec round"}
     todo = [(plain3, {"model": name3, "step": "decode", "forward": "fused"}),
             (plain1, {"model": name1, "step": "decode", "forward": "fused"}),
-            (spec, {**spec_label, "forward": "fused"})]
+            (spec, {**spec_label, "forward": "fused"}),
+            (spec, {**spec_label, "forward": "fused, no draft loop"})]  # the draft loop's saving, same engine
     plain3_u, plain1_u, spec_u = unfused_engines()
     todo += [(plain3_u, {"model": name3, "step": "decode", "forward": "unfused"}),
              (plain1_u, {"model": name1, "step": "decode", "forward": "unfused"}),

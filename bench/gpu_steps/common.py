@@ -163,7 +163,7 @@ def stats_delta(before: dict[str, dict], after: dict[str, dict]) -> dict[str, di
     return delta
 
 
-def weight_bytes(model) -> int:
+def forward_weight_bytes(model) -> int:
     """Bytes of weights one forward of ``model`` reads: every parameter once (a tied embedding once, the LM head
     reads it whole; an untied input embedding not at all, a forward reads a few rows of it), and the prepacked
     copies of linears whose plain weight was released (CPU)."""

@@ -46,6 +46,7 @@ import specdec
 from bench.e2e import Ours, measure_costs, phase_a, reuse_target_weights
 from bench.gpu_steps.common import (
     cuda_synced_timing,
+    forward_weight_bytes,
     out_of_time,
     parse_args,
     runners,
@@ -53,7 +54,6 @@ from bench.gpu_steps.common import (
     stats_delta,
     sync,
     synced_timed,
-    weight_bytes,
     write_json,
 )
 from bench.gpu_steps.models import LLAMA_1B, LLAMA_3B, TINY, write_random_llama
@@ -188,11 +188,11 @@ def draft_costs(spec: specdec.LLM, batch: int, context: int, reps: int, target_1
 
 
 def byte_shares(spec: specdec.LLM, spec_dv: specdec.LLM) -> dict:
-    """The draft's weight bytes over the target's (``common.weight_bytes``: what one forward reads, KV left out),
-    with its full LM head and with the reduced draft vocabulary's: the floor c is judged against."""
-    target = weight_bytes(runners(spec.engine)["target"].model)
-    return {"full_vocab": weight_bytes(runners(spec.engine)["draft"].model) / target,
-            "draft_vocab": weight_bytes(runners(spec_dv.engine)["draft"].model) / target}
+    """The draft's weight bytes over the target's (``common.forward_weight_bytes``: what one forward reads, KV left
+    out), with its full LM head and with the reduced draft vocabulary's: the floor c is judged against."""
+    target = forward_weight_bytes(runners(spec.engine)["target"].model)
+    return {"full_vocab": forward_weight_bytes(runners(spec.engine)["draft"].model) / target,
+            "draft_vocab": forward_weight_bytes(runners(spec_dv.engine)["draft"].model) / target}
 
 
 def runner_forward_seconds(runner, batch: int, context: int, q_len: int, reps: int) -> tuple[float, bool]:

@@ -70,14 +70,14 @@ class LoopOutput:
 class _LoopBuffers:
     """The persistent inputs and outputs of one bucket (``n = key.batch`` rows)."""
 
-    def __init__(self, key: LoopKey, width: int, block_size: int, scratch_block: int, device: torch.device):
+    def __init__(self, key: LoopKey, scratch_block: int, device: torch.device):
         n = key.batch
         self.key = key
+        self.scratch_block = scratch_block
         self.ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n] the step's input token
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)  # [n] its position
         self.block_tables = torch.full((n, key.blocks), scratch_block, dtype=torch.int32, device=device)
         self.cu_q_lens = torch.arange(n + 1, dtype=torch.int32, device=device)  # [n+1], constant
-        self.block_size = block_size
         self.tokens = torch.zeros(n, key.steps, dtype=torch.int64, device=device)
         self.bad = torch.zeros(n, key.steps, dtype=torch.bool, device=device)
         self.probs: torch.Tensor | None = None  # fp32 [n, steps, W], shared by the kinds of (batch, steps)
@@ -87,7 +87,7 @@ class _LoopBuffers:
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def fill(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-             meta: SamplingMetadata, scratch_block: int) -> None:
+             meta: SamplingMetadata) -> None:
         """Copy the real rows in; padding rows get token 0 at position 0 of the scratch block and row 0's settings."""
         n, w = block_tables.shape
         self.ids[:n].copy_(ids, non_blocking=True)
@@ -95,8 +95,8 @@ class _LoopBuffers:
         self.positions[:n].copy_(positions, non_blocking=True)
         self.positions[n:].zero_()
         self.block_tables[:n, :w].copy_(block_tables, non_blocking=True)
-        self.block_tables[:n, w:].fill_(scratch_block)
-        self.block_tables[n:].fill_(scratch_block)
+        self.block_tables[:n, w:].fill_(self.scratch_block)
+        self.block_tables[n:].fill_(self.scratch_block)
         st = meta.st
         if self.st is None:  # static copies of the settings; the flags are the bucket's kind (LoopKey.kind)
             self.st = SamplingTensors(**{f.name: (getattr(st, f.name).new_zeros(self.key.batch)
@@ -196,19 +196,19 @@ class DraftLoopRunner:
             return None
         buffers = self._buffers.get(key)
         if buffers is None:
-            buffers = _LoopBuffers(key, self.width, self.block_size, self.scratch_block, self.device)
+            buffers = _LoopBuffers(key, self.scratch_block, self.device)
             if not key.kind.startswith("greedy"):
                 shape = (key.batch, key.steps)
                 if shape not in self._probs:
                     self._probs[shape] = torch.zeros(*shape, self.width, dtype=torch.float32, device=self.device)
                 buffers.probs = self._probs[shape]
-            buffers.fill(ids, positions, block_tables, meta, self.scratch_block)
             if self.mode == "cuda_graph":
+                buffers.fill(ids, positions, block_tables, meta)  # the static settings exist before the capture
                 # NOTE: the warm-up and the capture run the program on this round's rows: they write the K/V the
                 # replay writes again (same tokens, same slots), so a capture that fails leaves nothing wrong
                 self._capture(buffers)
             self._buffers[key] = buffers
-        buffers.fill(ids, positions, block_tables, meta, self.scratch_block)
+        buffers.fill(ids, positions, block_tables, meta)
         if buffers.graph is not None:
             buffers.graph.replay()
         else:
