@@ -33,7 +33,7 @@ from specdec.outputs import RequestOutput
 from specdec.runner.cuda_graphs import static_forward_mode
 from specdec.runner.model_runner import ModelRunner
 from specdec.sampling.params import SamplingParams
-from specdec.spec_decode.decoder import SpeculativeDecoder
+from specdec.spec_decode.speculator import Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,13 @@ class LLMEngine:
                                           _prefix_caching(config, speculative))
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, self.device)
         draft_shard = self.workers.shards[1] if self.workers is not None and len(self.workers.shards) > 1 else None
-        self.speculative = (SpeculativeDecoder(config, speculative, self.tokenizer, target=self.model,
-                                               draft_shard=draft_shard) if speculative else None)
+        self.speculative = (Speculator(config, speculative, self.tokenizer, target=self.model,
+                                       draft_shard=draft_shard) if speculative else None)
         # the target's pool first (its prefix cache decides where a request starts), then the proposer's, allocated
         # in lockstep; a decoding request reserves its lookahead (speculation budget) beyond its last token
-        self.block_managers = [self.block_manager, *(self.speculative.block_managers if self.speculative else [])]
-        lookahead = self.speculative.lookahead if self.speculative is not None else (lambda seq: 0)
+        self.block_managers = [self.block_manager,
+                               *(self.speculative.proposer.block_managers if self.speculative else [])]
+        lookahead = self.speculative.policy.lookahead if self.speculative is not None else (lambda seq: 0)
         self.scheduler = Scheduler(self.block_managers, config.max_num_seqs, config.max_num_batched_tokens,
                                    lookahead=lookahead)
         if self.speculative is not None:  # (no closure over the engine: a reference cycle would keep its pools alive)
@@ -81,7 +82,8 @@ class LLMEngine:
         if mode is not None and self.workers is None:  # NOTE: no static forwards under tensor parallelism yet
             self.enable_static_forward(mode)
         if self.speculative is not None:  # adaptive k's costs, measured before the first request
-            self.speculative.calibrate(self.runner)
+            draft_model = self.speculative.proposer.draft_model
+            self.speculative.policy.calibrate(self.runner, draft_model.runner if draft_model is not None else None)
         self._seq_ids = itertools.count()
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}  # unfinished sequences by their own (internal) id
@@ -102,12 +104,12 @@ class LLMEngine:
         if self.workers is not None:
             raise ValueError("static forwards (CUDA graphs, torch.compile) are not supported with "
                              "tensor_parallel_size > 1 yet")
-        spec = self.speculative
-        k = spec.k_max if spec is not None else 0
-        max_seq_len = self.config.max_model_len + (spec.max_tree_nodes if spec is not None else 0) + 1
+        policy = self.speculative.policy if self.speculative is not None else None
+        k = policy.k_max if policy is not None else 0
+        max_seq_len = self.config.max_model_len + (policy.max_tree_nodes if policy is not None else 0) + 1
         max_batch = self.config.max_num_seqs
         self.runner.enable_static_forward(mode, tuple(range(1, k + 2)), max_seq_len, max_batch, block_buckets)
-        draft_model = spec.draft_model if spec is not None else None
+        draft_model = self.speculative.proposer.draft_model if self.speculative is not None else None
         if draft_model is not None:
             draft_model.runner.enable_static_forward(mode, (1,), max_seq_len, max_batch, block_buckets)
             draft_model.loop = None  # a second call in another mode drops the earlier loop
@@ -216,7 +218,7 @@ class LLMEngine:
         if not batch.seqs:
             return self._samples.merge(outputs + self._fail_unschedulable())
         if self.speculative is not None:
-            self.speculative.batch_size = len(batch.seqs)  # what adaptive k plans the next step for
+            self.speculative.policy.batch_size = len(batch.seqs)  # what adaptive k plans the next step for
         try:
             updates, failures = self._compute_isolated(batch)
         except BaseException:  # KeyboardInterrupt and the like: the step is undone; keep the queued outputs
@@ -255,21 +257,21 @@ class LLMEngine:
             return {**updates, **more_updates}, {**failures, **more_failures}
 
     def _commit(self, update: RequestUpdate) -> RequestOutput | None:
-        """Apply one request's update: its KV length (and, after a verified round, the rollback of both caches
-        beyond it), its tokens through the output processor, its metrics. A failure here ends that request only.
-        None if the step emitted nothing for it (a mid-prompt chunk)."""
+        """Apply one request's update: after a verified round its KV edit (``Speculator.finish_round``: the accepted
+        path moved, both caches cut to the kept KV), its KV length, its tokens through the output processor, its
+        metrics. A failure here ends that request only. None if the step emitted nothing for it (a mid-prompt
+        chunk)."""
         seq = update.seq
         try:
+            if update.verified:  # before num_computed advances: the round's root is still at num_computed
+                self.speculative.finish_round(seq, update.num_computed, update.drafted, update.accepted,
+                                              update.accepted_nodes, self.pool, self.block_manager)
             seq.num_computed = update.num_computed
             m = seq.metrics
             m.target_forwards += 1
             m.draft_forwards += update.draft_forwards
             if update.lookahead_granted is not None:
                 m.k_per_step.append(update.lookahead_granted)
-            if update.verified:
-                self.speculative.observe_round(seq.seq_id, update.drafted, update.accepted,
-                                               tree=update.accepted_nodes is not None)
-                self.speculative.rollback(seq, self.block_manager)
             if not update.new_tokens:
                 return None
             before = len(seq.output_token_ids)
@@ -323,6 +325,6 @@ def _prefix_caching(config: EngineConfig, speculative: SpeculativeConfig | None)
     return config.enable_prefix_caching
 
 
-def _free_proposer_state(decoder: SpeculativeDecoder, seq: Sequence) -> None:
+def _free_proposer_state(speculator: Speculator, seq: Sequence) -> None:
     """The scheduler freed ``seq``'s blocks: finished (for good) or preempted (it comes back)."""
-    decoder.free(seq.seq_id, seq.is_finished)
+    speculator.free(seq.seq_id, seq.is_finished)

@@ -6,7 +6,7 @@ import torch
 
 from specdec.engine.sequence import Sequence
 from specdec.runner.model_runner import ForwardItem
-from specdec.runner.step_output import StepOutput
+from specdec.device import StepOutput
 from specdec.sampling.sampler import sample_next_tokens
 
 

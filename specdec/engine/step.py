@@ -1,40 +1,40 @@
 """One engine step, computed without changing any request: (draft) -> one ragged target forward -> sample / verify.
 
 This is the one code path of a step, plain or speculative: a plain engine is a speculative one whose requests
-never draft. The round as data (docs/architecture.md, "One step"):
+never draft. The calls a speculative step makes (docs/architecture.md, "One step"):
 
-    SpeculativeDecoder.draft      -> DraftRound          which requests verify, their DraftProposal
-    the forward's layout          -> ForwardItems        one per request: a plain chunk or a verification window
-    SpeculativeDecoder.metadata   -> SpecDecodeMetadata  built once: offsets, drafts, trees - on the device
-    ModelRunner.forward           -> logits [R, V]
-    sample_plain / verify         -> queued on the device, registered in the step's StepOutput
-    StepOutput.read               -> the step's one host read
-    results -> compaction -> RequestUpdate per request
+    Speculator.draft              -> SpeculativeRound    which requests verify, their drafts
+    round.window / plain_item     -> ForwardItems        one per request: a verification window or a plain chunk
+    round.place                   -> input ids           the round's metadata, once the forward is laid out
+    ModelRunner.forward           -> logits [R, V]       (timed by the policy for adaptive k)
+    sample_plain / round.verify                          queued on the device, registered in the step's StepOutput
+    StepOutput.read                                      the step's one host read
+    round.read                    -> VerifyResult        -> a RequestUpdate per request
 
-``compute_step`` returns a :class:`RequestUpdate` per request and mutates no ``Sequence`` (the draft model's cache
-is written, but its view of it is undone by ``SpeculativeDecoder.discard``), so a step that raises can be
-retried on a smaller batch or dropped: ``LLMEngine`` applies the updates in its commit phase, request by request.
-That split is what failure isolation rests on (docs/architecture.md, "Failure isolation").
+``compute_step`` returns a :class:`RequestUpdate` per request and mutates no ``Sequence`` and no committed KV (the
+draft model's cache is written beyond each request's committed KV; ``Speculator.discard`` forgets it), so a step
+that raises can be retried on a smaller batch or dropped: ``LLMEngine`` applies the updates in its commit phase,
+request by request - a verified round's KV edit (accepted path moved, both caches cut) included
+(``Speculator.finish_round``). That split is what failure isolation rests on (docs/architecture.md, "Failure
+isolation").
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-from specdec.device import to_device
+from specdec.device import StepOutput, to_device
 from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
 from specdec.runner.model_runner import ForwardItem, ModelRunner
-from specdec.runner.step_output import StepOutput
 from specdec.sampling.logprobs import TokenLogprobs, token_logprobs
-from specdec.spec_decode.decoder import DraftRound, SpeculativeDecoder
-from specdec.spec_decode.verify import VerifyResult
-
-DEVICE_DRAFT = 0  # a verification window's placeholder id for a draft that is only on the device
+from specdec.spec_decode.round import SpeculativeRound
+from specdec.spec_decode.speculator import Speculator
 
 
 @dataclass
@@ -53,129 +53,107 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs] | None = None  # one per new token when params.logprobs is set (logprobs hook)
 
 
-def compute_step(batch: ScheduledBatch, runner: ModelRunner, decoder: SpeculativeDecoder | None = None,
+def compute_step(batch: ScheduledBatch, runner: ModelRunner, speculator: Speculator | None = None,
                  observe_costs: bool = True) -> list[RequestUpdate]:
     """The updates of every request of ``batch``, in batch order.
 
     Args:
-        decoder: the ``SpeculativeDecoder``, or None for plain decoding.
-        observe_costs: time the target forward for adaptive k (False for the retried halves of a failed step).
+        speculator: the engine's ``Speculator``, or None for plain decoding.
+        observe_costs: time the step for adaptive k (False for the retried halves of a failed step).
     """
-    draft_round = _draft(batch, decoder) if decoder is not None else None
-    window_of = {r.seq_id: b for b, r in enumerate(draft_round.requests)} if draft_round is not None else {}
-    items = [_window_item(seq, draft_round, window_of[seq.seq_id]) if seq.seq_id in window_of else plain_item(seq, n)
-             for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-    logits_starts = list(itertools.accumulate((item.num_logits for item in items), initial=0))  # [len + 1]
-    input_starts = list(itertools.accumulate((len(item.token_ids) for item in items), initial=0))
-    verifying = [i for i, seq in enumerate(batch.seqs) if seq.seq_id in window_of]
-    meta = None
-    if verifying:
-        meta = decoder.metadata(draft_round, [logits_starts[i] for i in verifying],
-                                [input_starts[i] for i in verifying], logits_starts[-1], runner.device)
-    input_ids = None  # int64 [T] on the device, only when some window's drafts are on the device
-    if meta is not None and meta.draft_input_indices is not None:
-        input_ids = meta.scatter_drafts(to_device([t for item in items for t in item.token_ids], torch.int64,
-                                                  runner.device))
+    timing = speculator.policy.timing(runner.device, observe_costs) if speculator else contextlib.nullcontext()
+    with timing as timed:  # on exit (after the host read) the step's timings go to the cost model
+        spec_round = _draft(batch, speculator, timed) if speculator is not None else None
+        verifying = spec_round.index if spec_round is not None else {}
+        items = [spec_round.window(seq) if seq.seq_id in verifying else plain_item(seq, n)
+                 for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        logits_starts = list(itertools.accumulate((item.num_logits for item in items), initial=0))  # [len + 1]
+        input_starts = list(itertools.accumulate((len(item.token_ids) for item in items), initial=0))
+        windows = [i for i, seq in enumerate(batch.seqs) if seq.seq_id in verifying]
+        input_ids = None  # int64 [T] on the device, only when some window's drafts are only on the device
+        if windows:
+            input_ids = spec_round.place([logits_starts[i] for i in windows], [input_starts[i] for i in windows],
+                                         logits_starts[-1], [t for item in items for t in item.token_ids],
+                                         runner.device)
 
-    start = decoder.start_target_timer(runner.device) if decoder is not None and observe_costs else None
-    logits, aux_hidden = _target_forward(runner, decoder, items, input_ids)  # fp32 [R, V], R = sum(num_logits)
-    if start is not None:
-        decoder.observe_target(start, len(items), input_starts[-1], tree=meta is not None and meta.trees is not None)
+        tree = bool(windows) and spec_round.is_tree
+        forward = timed.target(len(items), input_starts[-1], tree) if timed else contextlib.nullcontext()
+        with forward:
+            logits, aux_hidden = _target_forward(runner, speculator, items, input_ids)  # fp32 [R, V]
 
-    out = StepOutput()
-    plain = [i for i, item in enumerate(items) if item.num_logits and batch.seqs[i].seq_id not in window_of]
-    plain_rows = None
-    if plain:
-        rows = logits  # without windows every row is a plain one, in order
-        if meta is not None:  # some rows are verification windows: gather the plain ones on the device
-            rows = logits.index_select(0, to_device([logits_starts[i] for i in plain], torch.int64, logits.device))
-        plain_rows = sample_plain(rows, [batch.seqs[i] for i in plain], out)
-    pending = decoder.verify_round(logits, draft_round, meta, out) if meta is not None else None
-    out.read()  # the step's one host read
-    sampled = plain_rows.result() if plain_rows is not None else {}
-    verified: VerifyResult | None = None
-    if pending is not None:
-        verified = pending.result([r.request_id for r in draft_round.requests])
-        decoder.compact(draft_round, verified, runner.pool, runner.block_manager)
-    if aux_hidden is not None:
-        _hand_over_hidden_states(decoder, batch, input_starts, window_of, verified, aux_hidden)
+        out = StepOutput()
+        plain = [i for i, item in enumerate(items) if item.num_logits and batch.seqs[i].seq_id not in verifying]
+        plain_rows = None
+        if plain:
+            rows = logits  # without windows every row is a plain one, in order
+            if windows:  # some rows are verification windows: gather the plain ones on the device
+                rows = logits.index_select(0, to_device([logits_starts[i] for i in plain], torch.int64,
+                                                        logits.device))
+            plain_rows = sample_plain(rows, [batch.seqs[i] for i in plain], out)
+        if windows:
+            spec_round.verify(logits, out)
+        out.read()  # the step's one host read
+        sampled = plain_rows.result() if plain_rows is not None else {}
+        if windows:
+            spec_round.read()
+        if aux_hidden is not None:
+            _hand_over_hidden_states(speculator, batch, input_starts, spec_round, aux_hidden)
 
-    updates = [_update(seq, n, draft_round, window_of, verified, sampled)
-               for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+    updates = [_update(seq, n, spec_round, sampled) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
     if any(seq.params.logprobs is not None for seq in batch.seqs):
         _logprobs(logits, updates, logits_starts)
-    if decoder is not None:
-        decoder.flush_timings()  # after the step's host read: the timed forwards have completed
     return updates
 
 
-def _target_forward(runner: ModelRunner, decoder: SpeculativeDecoder | None, items: list[ForwardItem],
+def _draft(batch: ScheduledBatch, speculator: Speculator, timed) -> SpeculativeRound:
+    """The round of the batch's decode steps (a prefill chunk never drafts)."""
+    decoding = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                if n == 1 and seq.num_computed + 1 == seq.num_tokens]
+    return speculator.draft(decoding, [seq.lookahead for seq in decoding], len(batch.seqs), timed)
+
+
+def _target_forward(runner: ModelRunner, speculator: Speculator | None, items: list[ForwardItem],
                     input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logits, the hidden states an EAGLE-3 proposer reads - ``[T, 3 * H]`` for every new token - or None when
-    the proposer reads none: then the forward captures nothing)."""
-    layers = decoder.aux_hidden_layers if decoder is not None else None
+    """(logits, the hidden states the proposer reads - ``[T, len(layers) * H]`` for every new token - or None when
+    it reads none: then the forward captures nothing)."""
+    layers = speculator.proposer.aux_hidden_layers if speculator is not None else None
     if layers is None:
         return runner.forward(items, input_ids=input_ids), None
     return runner.forward_with_aux_hidden(items, layers, input_ids=input_ids)
 
 
-def _hand_over_hidden_states(decoder: SpeculativeDecoder, batch: ScheduledBatch, input_starts: list[int],
-                             window_of: dict[int, int], verified: VerifyResult | None, aux: torch.Tensor) -> None:
+def _hand_over_hidden_states(speculator: Speculator, batch: ScheduledBatch, input_starts: list[int],
+                             spec_round: SpeculativeRound, aux: torch.Tensor) -> None:
     """The target's hidden states of the tokens each request keeps to the proposer (EAGLE-3): a plain item's
-    (a prefill chunk, a plain decode) every token; a verification window's root and accepted path (a chain's
-    first rows, a tree's accepted nodes), at positions ``num_computed`` on. One gather on the device."""
+    (a prefill chunk, a plain decode) every token; a verification window's root and accepted path, at positions
+    ``num_computed`` on. One gather on the device."""
     rows, seq_ids, starts, counts = [], [], [], []
     for i, seq in enumerate(batch.seqs):
         first = input_starts[i]
-        b = window_of.get(seq.seq_id)
-        if b is None:
-            kept = list(range(first, input_starts[i + 1]))
-        elif verified.accepted_nodes is not None:
-            kept = [first, *(first + node for node in verified.accepted_nodes[b])]
-        else:
-            kept = list(range(first, first + 1 + verified.num_accepted[b]))
+        b = spec_round.index.get(seq.seq_id)
+        kept = (list(range(first, input_starts[i + 1])) if b is None
+                else [first + row for row in spec_round.kept_rows(b)])
         rows += kept
         seq_ids.append(seq.seq_id)
         starts.append(seq.num_computed)
         counts.append(len(kept))
-    decoder.keep_hidden_states(seq_ids, starts, counts, aux.index_select(0, to_device(rows, torch.int64, aux.device)))
+    hidden = aux.index_select(0, to_device(rows, torch.int64, aux.device))
+    speculator.proposer.take_hidden_states(seq_ids, starts, counts, hidden)
 
 
-def _draft(batch: ScheduledBatch, decoder: SpeculativeDecoder) -> DraftRound:
-    """The round's drafts for the batch's decode steps (a prefill chunk never drafts)."""
-    decoding = [seq for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                if n == 1 and seq.num_computed + 1 == seq.num_tokens]
-    return decoder.draft(decoding, [seq.lookahead for seq in decoding], len(batch.seqs))
-
-
-def _window_item(seq: Sequence, draft_round: DraftRound, b: int) -> ForwardItem:
-    """Request ``seq``'s verification window: its last token then its drafts (a tree: its nodes in DFS order,
-    node i at RoPE position ctx + depth(i)); every row's logits are wanted."""
-    proposal = draft_round.proposal
-    if proposal.trees is not None:
-        tree = proposal.trees[b]
-        return ForwardItem(seq.seq_id, list(tree.token_ids), seq.num_computed, len(tree.token_ids),
-                           positions=[seq.num_computed + depth for depth in tree.depths], mask=tree.mask())
-    k = proposal.counts()[b]
-    drafts = proposal.token_ids[b] if proposal.token_ids is not None else [DEVICE_DRAFT] * k
-    return ForwardItem(seq.seq_id, [seq.last_token_id, *drafts], seq.num_computed, k + 1)
-
-
-def _update(seq: Sequence, num_new: int, draft_round: DraftRound | None, window_of: dict[int, int],
-            verified: VerifyResult | None, sampled: dict[int, list[int]]) -> RequestUpdate:
-    granted = draft_round.lookahead_granted.get(seq.seq_id) if draft_round is not None else None
-    forwards = draft_round.draft_forwards.get(seq.seq_id, 0) if draft_round is not None else 0
-    b = window_of.get(seq.seq_id)
+def _update(seq: Sequence, num_new: int, spec_round: SpeculativeRound | None,
+            sampled: dict[int, list[int]]) -> RequestUpdate:
+    granted = spec_round.lookahead_granted.get(seq.seq_id) if spec_round is not None else None
+    forwards = spec_round.draft_forwards.get(seq.seq_id, 0) if spec_round is not None else 0
+    b = spec_round.index.get(seq.seq_id) if spec_round is not None else None
     if b is None:
         return RequestUpdate(seq, seq.num_computed + num_new, sampled.get(seq.seq_id, []), granted,
                              draft_forwards=forwards)
-    accepted = verified.num_accepted[b]
-    proposal = draft_round.proposal
-    # drafted positions: a chain's length, a tree's depth (its node count is in the proposal)
-    drafted = proposal.trees[b].max_depth if proposal.trees is not None else proposal.counts()[b]
-    nodes = verified.accepted_nodes[b] if verified.accepted_nodes is not None else None
-    return RequestUpdate(seq, seq.num_computed + 1 + accepted, verified.emitted[b], granted, drafted, accepted,
-                         True, forwards, accepted_nodes=nodes)
+    result = spec_round.result
+    accepted = result.num_accepted[b]
+    nodes = result.accepted_nodes[b] if result.accepted_nodes is not None else None
+    return RequestUpdate(seq, seq.num_computed + 1 + accepted, result.emitted[b], granted, spec_round.drafted[b],
+                         accepted, True, forwards, accepted_nodes=nodes)
 
 
 def _logprobs(logits: torch.Tensor, updates: list[RequestUpdate], logits_starts: list[int]) -> None:
@@ -197,8 +175,8 @@ def _logprobs(logits: torch.Tensor, updates: list[RequestUpdate], logits_starts:
         i += len(u.new_tokens)
 
 
-def undo_step(seqs: list[Sequence], decoder: SpeculativeDecoder | None = None) -> None:
+def undo_step(seqs: list[Sequence], speculator: Speculator | None = None) -> None:
     """Forget what a failed ``compute_step`` left behind: the proposer's state beyond each request's committed
     KV. (Target K/V written beyond ``num_computed`` is garbage by definition and is overwritten later.)"""
-    if decoder is not None:
-        decoder.discard(seqs)
+    if speculator is not None:
+        speculator.discard(seqs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.runner.forward_timer import ForwardTimer
+from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.runner.model_runner import ForwardItem, ModelRunner
 
 SCRATCH_SEQ_ID = -2  # the runners' scratch block is -1; calibration's pseudo-sequence

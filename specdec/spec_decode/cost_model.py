@@ -25,7 +25,7 @@ call than a one-token decode (0.6-0.8 of it on the Qwen pair); clamping it to 1 
 forwards one depth at a time over the frontier and reads the host at each depth). Until a depth is measured the
 chain's costs stand in: ``depth * c`` and v at the same window size.
 
-The timings are taken by :class:`~specdec.runner.forward_timer.ForwardTimer`, only while adaptive choices are on,
+The timings are taken by :class:`~specdec.spec_decode.forward_timer.ForwardTimer`, only while adaptive choices are on,
 and never with a host sync: perf counters on CPU; on CUDA a pair of CUDA events around each forward, whose elapsed
 time is read once both have completed (after the step's one host read has waited for the device anyway).
 """

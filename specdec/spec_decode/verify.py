@@ -5,7 +5,7 @@ for trees: the fused Triton kernel on CUDA, its torch reference on CPU). This mo
 transform and per-position penalty context that produced q (``SamplingMetadata``, one row per window row), the
 raw-logit argmax for greedy rows, and the round's layout (``SpecDecodeMetadata``). Nothing is read here: the
 emitted tokens, the accepted counts, drafts still on the device and the NaN/inf flags of the draft and target
-logits are registered in the step's :class:`~specdec.runner.step_output.StepOutput`, and
+logits are registered in the step's :class:`~specdec.device.StepOutput`, and
 :meth:`PendingVerification.result` turns them into tokens after the step's one host read.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import ops
-from specdec.runner.step_output import StepOutput
+from specdec.device import StepOutput
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.sampler import greedy, nonfinite_rows
 from specdec.sampling.standardize import apply_penalty_rows, standardize_unchecked

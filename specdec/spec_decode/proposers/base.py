@@ -5,13 +5,17 @@ A proposer never knows about verification, and the verifier never knows which pr
 a new drafter arrive without touching the accept/reject logic. A proposer reads requests through
 :class:`~specdec.spec_decode.request.RequestView` (the engine's ``Sequence`` is one) and never imports the engine.
 A proposer that keeps a KV cache (a draft model) owns it: its pools (``block_managers``, allocated by the
-scheduler in lockstep with the target's), its rollback and its compaction after a tree round.
+scheduler in lockstep with the target's), its rollback and the move of a tree round's accepted path.
+
+:class:`Proposer` declares everything the round asks of a proposer - the model it drafts with (``draft_model``),
+the target hidden states it reads (``aux_hidden_layers``, ``take_hidden_states``) - so nothing above it probes
+types. Model drafters share their drafting loops through ``model_drafter.ModelDrafter``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -19,6 +23,9 @@ from specdec.cache.block_manager import BlockManager
 from specdec.device import to_device
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.tree import DraftTree
+
+if TYPE_CHECKING:  # the annotation only (draft_model.py imports this module)
+    from specdec.spec_decode.proposers.draft_model import DraftModelProposer
 
 
 @dataclass
@@ -75,10 +82,15 @@ def check_draft_rows(bad: list[int], counts: list[int], request_ids: list[str]) 
 
 
 class Proposer(Protocol):
-    """What the speculative decoder asks of a drafter (specdec/spec_decode/proposers/factory.py builds one)."""
+    """What a speculative round asks of a drafter (specdec/spec_decode/proposers/factory.py builds one)."""
 
     block_managers: list[BlockManager]  # KV pools the scheduler allocates with the target's ([] if it has none)
     max_positions: int | None  # the highest position it can draft at + 1 (None: no limit)
+    # the draft model it drafts with (itself, or a combined proposer's), or None: calibration times its step, the
+    # engine captures its static forwards and draft loop
+    draft_model: DraftModelProposer | None
+    # the target layers whose hidden states it reads (the target forward then captures them), or None: none
+    aux_hidden_layers: tuple[int, ...] | None
 
     def propose(self, requests: list[RequestView], num_tokens: list[int]) -> DraftProposal:
         """Draft up to ``num_tokens[i]`` tokens after the last token of ``requests[i]`` (0: none for it)."""
@@ -89,9 +101,17 @@ class Proposer(Protocol):
         drafted nodes; a tree with no drafted node means nothing to verify for that request."""
         ...
 
-    def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
-        """After a tree round: keep the accepted paths' state (``accepted_nodes[i]``: request i's path, depth
-        1..n, as DFS node indices of its last proposed tree). Positions beyond each request's committed KV only."""
+    def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
+                           hidden: torch.Tensor) -> None:
+        """The target's hidden states ``[sum(counts), len(aux_hidden_layers) * H]`` of the tokens each request keeps
+        after this step: ``counts[i]`` of request ``seq_ids[i]`` from position ``starts[i]`` on, request-major
+        (beyond the committed KV until the commit: ``discard`` drops them). Called only if ``aux_hidden_layers``."""
+        ...
+
+    def move_accepted_path(self, request: RequestView, accepted_nodes: list[int]) -> None:
+        """At the commit of a tree round, before the rollback: keep the accepted path's state (``accepted_nodes``:
+        its nodes at depth 1..n, DFS indices of the request's last proposed tree; the root at
+        ``request.num_computed``, not yet advanced)."""
         ...
 
     def rollback(self, request: RequestView, kv_len: int) -> None:
@@ -114,12 +134,18 @@ class ModelFreeProposer:
     """The parts of :class:`Proposer` a drafter without a KV cache (prompt lookup, n-gram) has nothing to do in."""
 
     max_positions: int | None = None
+    draft_model = None
+    aux_hidden_layers = None
 
     @property
     def block_managers(self) -> list[BlockManager]:
         return []
 
-    def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
+    def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
+                           hidden: torch.Tensor) -> None:
+        pass  # never called (``aux_hidden_layers`` is None)
+
+    def move_accepted_path(self, request: RequestView, accepted_nodes: list[int]) -> None:
         pass
 
     def rollback(self, request: RequestView, kv_len: int) -> None:

@@ -16,7 +16,7 @@ class CombinedProposer:
 
     def __init__(self, lookup: ModelFreeProposer, draft_model: DraftModelProposer):
         self.lookup = lookup  # a model-free proposer (prompt lookup or n-gram)
-        self.draft_model = draft_model
+        self.draft_model = draft_model  # ``Proposer.draft_model``: the model it falls back to
         self.max_positions = draft_model.max_positions
 
     @property
@@ -107,8 +107,14 @@ class CombinedProposer:
                 row += t.num_drafts + 1
         return DraftProposal([list(t.token_ids[1:]) for t in trees], probs, is_onehot, forwards, trees)
 
-    def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
-        self.draft_model.compact(requests, accepted_nodes)  # the lookup keeps no cache
+    aux_hidden_layers = None  # neither part reads the target's hidden states
+
+    def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
+                           hidden: torch.Tensor) -> None:
+        pass  # never called (``aux_hidden_layers`` is None)
+
+    def move_accepted_path(self, request: RequestView, accepted_nodes: list[int]) -> None:
+        self.draft_model.move_accepted_path(request, accepted_nodes)  # the lookup keeps no cache
 
     def rollback(self, request: RequestView, kv_len: int) -> None:
         self.lookup.rollback(request, kv_len)

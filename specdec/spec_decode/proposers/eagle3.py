@@ -20,8 +20,8 @@ one-token prompt's first step) drafts nothing that round.
 The head's KV lives in its own paged pool (one layer, ``block_managers``), allocated by the scheduler in lockstep
 with the target's like a draft model's: ``kv_len``, lazy catch-up fused into the first draft step, rollback and
 discard as there. A tree's nodes are fed level by level after the root entry (n - 2), each with its parent's output
-hidden state, under the draft model's tree policy (``draft_tree.propose_tree``); the accepted path needs no
-compaction - its entries are recomputed from the target's hidden states next round.
+hidden state, under the draft model's tree policy (``tree_drafting.propose_tree``); the accepted path needs no
+move - its entries are recomputed from the target's hidden states next round.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.device import to_device
 from specdec.model.eagle3 import Eagle3Head
-from specdec.runner.forward_timer import ForwardTimer
+from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.runner.model_runner import ForwardItem, ModelRunner
 from specdec.spec_decode.proposers.base import DraftProposal
-from specdec.spec_decode.proposers.draft_model import draft_chains, sample_draft_step
-from specdec.spec_decode.proposers.draft_tree import TreeShape, propose_tree
+from specdec.spec_decode.proposers.chain_drafting import draft_chains, sample_draft_step
+from specdec.spec_decode.proposers.tree_drafting import TreeShape, propose_tree
 from specdec.spec_decode.request import RequestView
 
 DEVICE_TOKEN = 0  # a forward item's placeholder id for a token that is only on the device (input_ids)
@@ -78,12 +78,14 @@ class Eagle3Proposer:
         self.kv_len: dict[int, int] = {}  # seq id -> head entries computed from the target's hidden states
         # seq id -> (first position, fused hidden states [n, H]) handed over and not yet fed, in position order
         self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        self.tree_positions: dict[int, dict[int, int]] = {}  # as the draft model's (read by draft_tree only)
+        self.tree_positions: dict[int, dict[int, int]] = {}  # as the draft model's (read by tree_drafting only)
         self._hidden: torch.Tensor | None = None  # [R, H] the head's output hidden state per row of its last forward
 
     @property
     def block_managers(self) -> list[BlockManager]:
         return [self.block_manager]
+
+    draft_model = None  # a head, not a draft model (``Proposer.draft_model``)
 
     # --- the target's hidden states -------------------------------------------------------------------------
     def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
@@ -131,11 +133,11 @@ class Eagle3Proposer:
 
     # --- drafting -------------------------------------------------------------------------------------------
     def propose(self, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
-        """Draft ``num_tokens[i]`` tokens for ``seqs[i]`` (``draft_model.draft_chains``, with this head's forwards)."""
+        """Draft ``num_tokens[i]`` tokens for ``seqs[i]`` (``chain_drafting.draft_chains``, with this head's forwards)."""
         return draft_chains(self, seqs, [k if self._can_draft(s) else 0 for s, k in zip(seqs, num_tokens)])
 
     def propose_tree(self, seqs: list[RequestView], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:
-        """A draft tree per request, grown as a draft model's (``draft_tree.propose_tree``)."""
+        """A draft tree per request, grown as a draft model's (``tree_drafting.propose_tree``)."""
         shape = self.tree_shape or TreeShape([1] * max(max_depths, default=0), 1)  # no shape: chains as trees
         can = [self._can_draft(s) for s in seqs]
         return propose_tree(self, seqs, [d if c else 0 for d, c in zip(max_depths, can)],
@@ -202,19 +204,18 @@ class Eagle3Proposer:
         logits, self._hidden = self.head(ids, positions, hidden, self.runner.pool.tensors, meta, logits_indices)
         return self.head.to_target_vocab(logits)
 
-    def _in_vocab(self, ids: list[int]) -> list[int]:
+    def in_vocab(self, ids: list[int]) -> list[int]:
         return ids  # the head embeds target ids
 
-    def _sample(self, logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
-                bad_rows: list[torch.Tensor]):
+    def sample_step(self, logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
+                    bad_rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         return sample_draft_step(logits, seqs, step, drafts, bad_rows, self.noise_per_round)
 
     # --- after verification ---------------------------------------------------------------------------------
-    def compact(self, requests: list[RequestView], accepted_nodes: list[list[int]]) -> None:
+    def move_accepted_path(self, request: RequestView, accepted_nodes: list[int]) -> None:
         """Nothing moves: the accepted path's entries are recomputed from the target's hidden states by the next
         catch-up (only the tree's node positions are forgotten)."""
-        for request in requests:
-            self.tree_positions.pop(request.seq_id, None)
+        self.tree_positions.pop(request.seq_id, None)
 
     def rollback(self, request: RequestView, kv_len: int) -> None:
         """A round was committed keeping ``kv_len`` tokens: state beyond it forgotten, whole blocks beyond it

@@ -16,15 +16,15 @@ from specdec.model.llama import LlamaForCausalLM
 from specdec.model.loader import load_model, read_checkpoint_tensor, resolve_model_path
 from specdec.model.subset_head import restrict_lm_head
 from specdec.model.tokenizer import Tokenizer
-from specdec.runner.forward_timer import ForwardTimer
+from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.spec_decode.proposers.base import ModelFreeProposer, Proposer
 from specdec.spec_decode.proposers.combined import CombinedProposer
 from specdec.spec_decode.proposers.compat import check_draft_compatible
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer
-from specdec.spec_decode.proposers.draft_tree import TreeShape
+from specdec.spec_decode.proposers.tree_drafting import TreeShape
 from specdec.spec_decode.proposers.draft_vocab import DraftVocab, read_draft_vocab
 from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
-from specdec.spec_decode.proposers.ngram import NgramProposer
+from specdec.spec_decode.proposers.ngram_table import NgramTableProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 
 
@@ -32,7 +32,7 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
                    timer: ForwardTimer | None = None,
                    on_draft_forward: Callable[[int, float], None] | None = None,
                    target: LlamaForCausalLM | None = None, draft_shard: tuple | None = None) -> Proposer:
-    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram", "combined" (a model-free
+    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram_table", "combined" (a model-free
     lookup first, the draft model for the requests it has nothing for), or "eagle3" (an EAGLE-3 head).
 
     Args:
@@ -61,7 +61,7 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
 def _model_free(spec: SpeculativeConfig, method: str) -> ModelFreeProposer:
     if method == "prompt_lookup":
         return PromptLookupProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    return NgramProposer(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window)
+    return NgramTableProposer(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window)
 
 
 def _tree_shape(spec: SpeculativeConfig) -> TreeShape | None:

@@ -5,8 +5,8 @@ itself), ``min_ngram <= n <= max_ngram``; its continuation is what followed it. 
 first), then recency (later first).
 
 - ``propose`` (chain): the continuation of the best match - the most recent occurrence of the longest matching
-  suffix - up to k tokens. (vLLM calls this method "ngram"; here "ngram" is the frequency-table predictor in
-  ngram.py.)
+  suffix - up to k tokens. (vLLM calls this method "ngram"; our frequency-table predictor is "ngram_table",
+  ngram_table.py.)
 - ``propose_tree`` (token trie): the continuations of the best ``max_matches`` matches (all lengths), merged by
   shared prefixes. A node's **support** is the number of matches whose continuation passes through it; siblings
   are ordered by support (ties: the most recent match first) and the budget keeps the best-supported nodes, after

@@ -17,8 +17,8 @@ what keeps stochastic tree verification lossless (docs/architecture.md, "Token t
 fed to the draft (except at the last depth), each attending the context and its ancestors: the draft cache
 holds the tree's nodes level by level after the root, and the tree mask spans those ``w`` positions.
 
-After verification the engine compacts the accepted path's K/V in the draft pool too, as in the target's: the
-drafter records where each fed node sits (``DraftModelProposer.tree_positions``), the path's fed prefix moves to
+After verification the commit moves the accepted path's K/V in the draft pool too, as in the target's
+(``Proposer.move_accepted_path``): the drafter records where each fed node sits (``DraftModelProposer.tree_positions``), the path's fed prefix moves to
 ``ctx + 1 ..`` and the draft's valid length grows by it; only the path's last node (never fed when it is a
 leaf at the depth cap) and the bonus token are left to the next catch-up forward.
 """
@@ -37,6 +37,7 @@ from specdec.sampling.penalties import penalty_rows
 from specdec.sampling.standardize import SamplingTensors, apply_penalty_rows, standardize_unchecked
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.draft_vocab import q_over_target
+from specdec.spec_decode.proposers.model_drafter import ModelDrafter
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.tree import DraftTree
 
@@ -73,16 +74,13 @@ class _Growing:
         return out[::-1]
 
 
-def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budgets: list[int], shape: TreeShape
+def propose_tree(drafter: ModelDrafter, seqs: list[RequestView], depth_caps: list[int], budgets: list[int], shape: TreeShape
                  ) -> DraftProposal:
     """A tree per request: depth <= ``depth_caps[i]``, at most ``budgets[i]`` drafted nodes.
 
-    ``drafter`` is a model drafter - :class:`~specdec.spec_decode.proposers.draft_model.DraftModelProposer` or
-    :class:`~specdec.spec_decode.proposers.eagle3.Eagle3Proposer` - giving its forwards (``tree_root_forward``:
-    catch-up and the roots' logits; ``tree_level_forward``: one depth of nodes, with each node's parent row in the
-    previous forward), where its root sits in its cache (``tree_root_position``; the nodes follow it), its
-    vocabulary mapping (``_in_vocab``, ``target_vocab_size``, ``draft_vocab``) and ``tree_positions``. Returns trees
-    in DFS order with q rows per node (``DraftProposal.trees``).
+    ``drafter``: a model drafter (:class:`~specdec.spec_decode.proposers.model_drafter.ModelDrafter`; its tree
+    forwards, root position, vocabulary mapping and ``tree_positions`` are read). Returns trees in DFS order with
+    q rows per node (``DraftProposal.trees``).
     """
     grows = [_Growing(s, d, b, [s.last_token_id], [-1], [0], [1.0]) for s, d, b in zip(seqs, depth_caps, budgets)]
     active = [g for g in grows if g.depth_cap > 0 and g.budget > 0]
@@ -109,7 +107,7 @@ def propose_tree(drafter, seqs: list[RequestView], depth_caps: list[int], budget
     return _proposal(drafter, seqs, grows)
 
 
-def _expand_level(drafter, active: list[_Growing], frontier: dict[int, list[int]], depth: int, shape: TreeShape
+def _expand_level(drafter: ModelDrafter, active: list[_Growing], frontier: dict[int, list[int]], depth: int, shape: TreeShape
                   ) -> dict[int, list[int]]:
     """Decide each frontier node's number of children (before drawing any), then draw them for every request
     at once (one host read); the new nodes per request (their tokens target ids: a reduced draft vocabulary's
@@ -174,7 +172,7 @@ def _child_counts(g: _Growing, frontier: list[int], depth: int, shape: TreeShape
     return counts
 
 
-def _level_item(drafter, g: _Growing, nodes: list[int]) -> ForwardItem:
+def _level_item(drafter: ModelDrafter, g: _Growing, nodes: list[int]) -> ForwardItem:
     """The forward item feeding ``nodes`` (one depth) to the draft, with the mask over the tree's cached nodes."""
     root = drafter.tree_root_position(g.seq)  # a draft model's root (the last token) sits at num_tokens - 1
     start = root + 1 + len(g.fed)
@@ -188,11 +186,11 @@ def _level_item(drafter, g: _Growing, nodes: list[int]) -> ForwardItem:
             mask[i, column[a]] = True
             a = g.parents[a]
     positions = [root + g.depths[n] for n in nodes]
-    return ForwardItem(g.seq.seq_id, drafter._in_vocab([g.tokens[n] for n in nodes]), start, len(nodes),
+    return ForwardItem(g.seq.seq_id, drafter.in_vocab([g.tokens[n] for n in nodes]), start, len(nodes),
                        positions=positions, mask=mask)
 
 
-def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], shape: TreeShape) -> None:
+def _store_q(drafter: ModelDrafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], shape: TreeShape) -> None:
     """Standardize the draft logits of ``rows`` (same transform and penalty context as the target's p) and keep
     q and its largest probabilities per node. NaN/inf rows raise (the engine fails their requests)."""
     params = [g.seq.params for g, _ in rows]
@@ -217,7 +215,7 @@ def _store_q(drafter, logits: torch.Tensor, rows: list[tuple[_Growing, int]], sh
         g.top_probs[node] = flat[r * width : (r + 1) * width]
 
 
-def _proposal(drafter, seqs: list[RequestView], grows: list[_Growing]) -> DraftProposal:
+def _proposal(drafter: ModelDrafter, seqs: list[RequestView], grows: list[_Growing]) -> DraftProposal:
     """Re-number every tree in DFS order and lay out q per node (rows of the target vocabulary: zero-padded, or
     scattered from a reduced draft vocabulary's columns - ``draft_vocab.q_over_target``)."""
     trees, q_lists = [], []

@@ -1,4 +1,4 @@
-"""N-gram drafter (akunu's predictor): frequency tables of orders 2..4 over a sliding window, chained predictions.
+"""The n-gram table drafter, method "ngram_table" (akunu's predictor; vLLM's "ngram" is our "prompt_lookup"): frequency tables of orders 2..4 over a sliding window, chained predictions.
 
 Per request, tables map a context of ``order - 1`` tokens to continuation counts. Prediction tries the longest
 context first and takes its most frequent continuation (ties: the most recently seen wins), appends it to the
@@ -127,7 +127,7 @@ class NgramTable:
         return max(conts.items(), key=lambda kv: (kv[1][0], kv[1][1]))[0]
 
 
-class NgramProposer(ModelFreeProposer):
+class NgramTableProposer(ModelFreeProposer):
     """Model-free drafter over :class:`NgramTable` per request; drafts are one-hot (q is a point mass)."""
 
     def __init__(self, min_order: int = 2, max_order: int = 4, window: int = 512, keep_chain: bool = True):

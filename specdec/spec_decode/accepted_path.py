@@ -1,19 +1,34 @@
-"""Where the accepted path of a draft tree moves in the KV cache after verification.
+"""A tree round's accepted path made contiguous in the target's KV cache (the proposer moves its own:
+``Proposer.move_accepted_path``).
 
 A tree's node i was written at logical position ``ctx + i`` (DFS order, ``specdec.spec_decode.tree``). After
 verification the accepted path - nodes ``accepted_nodes[0], accepted_nodes[1], ...`` at depths 1, 2, ... - must
-sit at ``ctx + 1, ctx + 2, ...``, right after the root, as if it had been a chain. ``compaction_slots`` lists the
-flat cache slots of those moves for one request; the engine concatenates every request's lists into the int64
-tensors of ``ops.kv_compact`` (which reads every source before writing any destination), then truncates the
-sequence to ``ctx + 1 + len(accepted_nodes)`` (plus whatever it keeps) so the rest of the tree's blocks go back.
+sit at ``ctx + 1, ctx + 2, ...``, right after the root, as if it had been a chain. ``accepted_path_moves`` lists the
+flat cache slots of those moves for one request; :func:`move_accepted_path` copies them with ``KVPool.compact``
+(``ops.kv_compact``, which reads every source before writing any destination). The request's KV is then cut to
+``ctx + 1 + len(accepted_nodes)`` by the round's rollback (``Speculator.finish_round``), in the same call.
 """
 
 from __future__ import annotations
 
+import torch
+
 from specdec.cache.block_manager import BlockManager
+from specdec.cache.kv_pool import KVPool
+from specdec.device import to_device
 
 
-def compaction_slots(
+def move_accepted_path(pool: KVPool, block_manager: BlockManager, seq_id: int, root: int,
+                       accepted_nodes: list[int]) -> None:
+    """Move request ``seq_id``'s accepted path (node i was written at ``root + i``; ``root``: the root's position,
+    the request's committed length before the round) to ``root + 1, root + 2, ..``: one ``KVPool.compact``."""
+    src, dst = accepted_path_moves(block_manager, seq_id, root, accepted_nodes)
+    if src:
+        device = pool.tensors[0].device
+        pool.compact(to_device(src, torch.int64, device), to_device(dst, torch.int64, device))
+
+
+def accepted_path_moves(
     block_manager: BlockManager, seq_id: int, ctx: int, accepted_nodes: list[int]
 ) -> tuple[list[int], list[int]]:
     """``(src, dst)`` flat slots of the moves that make a tree's accepted path contiguous.
