@@ -142,7 +142,7 @@ def machine_info() -> dict:
     }
 
 
-# what bench.projection's roofline needs of a model's config.json (the weights a decode forward streams)
+# what bench.projection.speculative's roofline needs of a model's config.json (the weights a decode forward streams)
 SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
              "intermediate_size", "vocab_size", "tie_word_embeddings")  # fmt: skip
 

@@ -44,7 +44,7 @@ from bench.common import (
     slug,
     write_json,
 )
-from bench.e2e import reuse_target_weights
+from bench.speed.e2e import reuse_target_weights
 from specdec.model.linear import Linear, prepack_linears, prepack_supported
 from specdec.model.tokenizer import Tokenizer
 

@@ -69,17 +69,18 @@ def synced_timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 @contextlib.contextmanager
 def cuda_synced_timing():
-    """While open, ``bench.common.timed`` (used by ``forward_seconds``, hence ``bench.e2e.measure_costs``) and
-    ``bench.e2e.timed`` synchronise CUDA around the timed call, so the reused CPU-era timers are right on a GPU."""
+    """While open, ``bench.common.timed`` (used by ``forward_seconds``, hence ``bench.speed.e2e.measure_costs``)
+    and ``bench.speed.e2e.timed`` synchronise CUDA around the timed call, so the reused CPU-era timers are right on
+    a GPU."""
     import bench.common
-    import bench.e2e
+    import bench.speed.e2e
 
-    saved = bench.common.timed, bench.e2e.timed
-    bench.common.timed = bench.e2e.timed = synced_timed
+    saved = bench.common.timed, bench.speed.e2e.timed
+    bench.common.timed = bench.speed.e2e.timed = synced_timed
     try:
         yield
     finally:
-        bench.common.timed, bench.e2e.timed = saved
+        bench.common.timed, bench.speed.e2e.timed = saved
 
 
 def event_ms(fn: Callable[[], object], reps: int = 20, warmup: int = 3) -> float:

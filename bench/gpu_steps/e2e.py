@@ -8,7 +8,7 @@ first, and a pair cut by the time limit is the last one):
            agree (acceptance ~0), so this pair measures costs - c, v(k), the engine's overheads - not a speedup.
 Per pair and batch size (1, 8, 64): a warm-up that is one run of exactly the timed generate (same prompts, same
 ``max_tokens``: every CUDA-graph bucket the timed runs use - k + 1 = 5-token windows included - is captured
-before timing), then ``bench.e2e.phase_a`` (plain and speculative engines sharing the target's weights, ``reps``
+before timing), then ``bench.speed.e2e.phase_a`` (plain and speculative engines sharing the target's weights, ``reps``
 interleaved runs each, an odd number >= 3 so the median is a run's own time; tokens/s = generated tokens / wall
 time of ``generate``, prefill included), the acceptance, alpha and tau. Prefix caching is off in every engine
 (on, the target would skip the prompt of every repeated run and the draft would not). Every run checks every
@@ -18,7 +18,7 @@ fallbacks, eager forwards, buckets captured) of every runner - the target's and 
 the warm-up and the timed runs. c = draft decode / target decode and v(j) = target forward of j + 1 tokens per
 request / of 1 token are timed through the speculative engine's own runners (their static forward - CUDA graphs
 on CUDA - when the batch has a bucket, as the engine runs them; ``costs``) and, for comparison with earlier runs,
-through a fresh eager runner (``costs_eager``, ``bench.e2e.measure_costs``), CUDA-synchronised. And c once more
+through a fresh eager runner (``costs_eager``, ``bench.speed.e2e.measure_costs``), CUDA-synchronised. And c once more
 with the draft's LM head cut to a reduced draft vocabulary (``costs_draft_vocab``: a third engine, the same draft
 with ``SpeculativeConfig(draft_vocab=)`` of ``DRAFT_VOCAB_SIZE`` fixed seeded ids - for random weights any subset
 prices the same - through its own runners), the cost the issue's c goal is judged on.
@@ -43,7 +43,6 @@ import time
 import torch
 
 import specdec
-from bench.e2e import Ours, measure_costs, phase_a, reuse_target_weights
 from bench.gpu_steps.common import (
     cuda_synced_timing,
     forward_weight_bytes,
@@ -57,6 +56,7 @@ from bench.gpu_steps.common import (
     write_json,
 )
 from bench.gpu_steps.models import LLAMA_1B, LLAMA_3B, TINY, write_random_llama
+from bench.speed.e2e import Ours, measure_costs, phase_a, reuse_target_weights
 from specdec.runner.model_runner import ForwardItem
 
 K = 4
@@ -115,7 +115,7 @@ def check_outputs(outs: list, max_tokens: int, label: str) -> None:
 
 
 class Checked(Ours):
-    """``bench.e2e.Ours`` (one timed ``generate``, CUDA-synchronised) that checks every output (``check_outputs``)
+    """``bench.speed.e2e.Ours`` (one timed ``generate``, CUDA-synchronised) that checks every output (``check_outputs``)
     and counts the requests it checked."""
 
     def __init__(self, llm: specdec.LLM, params: specdec.SamplingParams, label: str):

@@ -44,7 +44,8 @@ def write_random_llama(path: str, *, hidden_size: int, num_layers: int, num_head
     7B-shaped checkpoint is built holding one shard in memory; None: one ``model.safetensors``."""
     from safetensors.torch import save_file
 
-    # NOTE: bench.gpu runs with tests/ on PYTHONPATH; bench.footprint runs from the repo root (tests/ is a folder)
+    # NOTE: bench.gpu runs with tests/ on PYTHONPATH; bench.memory.footprint runs from the repo root (tests/ is a
+    # folder)
     try:
         from tiny_models import CHAT_TEMPLATE, EOS_TOKEN, byte_tokenizer_json
     except ImportError:

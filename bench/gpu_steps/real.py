@@ -11,17 +11,17 @@ Prompts: the first file of each class (code, json, copy, prose) and the long-con
 (``bench/prompts/long``: a ~2,000-word report), in the chat template; a batch of B cycles the class's files. Per
 batch size (1 and 8; ``--batches 1 8 32``, or ``BENCH_GPU_REAL_BATCHES="1 8 32"`` through ``bench.gpu``, adds 32),
 temperature (0 and 0.8) and class: a warm-up run of each engine on exactly the timed prompts (every CUDA-graph bucket
-captured before timing), then 3 interleaved runs (``bench.e2e.interleave``) of plain, ``prompt_lookup`` and
+captured before timing), then 3 interleaved runs (``bench.speed.e2e.interleave``) of plain, ``prompt_lookup`` and
 ``ngram``; tok/s from the median run (an odd count: one run's own time). From the requests' metrics
-(``bench.e2e.aggregate_metrics``): acceptance, alpha, tau (tokens per round), f (the share of decode steps that
+(``bench.speed.e2e.aggregate_metrics``): acceptance, alpha, tau (tokens per round), f (the share of decode steps that
 verified a draft: a model-free drafter with no match takes a plain step) and the mean draft length. Costs per batch
 and class, through a speculative engine's own target runner (``e2e.runner_forward_seconds``: CUDA graphs as the
 engine replays them) at the class's context: the decode time and v(j) = forward of j + 1 tokens / of 1. c for these
 model-free drafters is their measured drafting overhead: the host time of the proposer's ``propose`` per call
 (one call per decode step, the whole batch), timed during the timed runs, over k target decodes - so k c is a
 step's drafting time in target-decode units. Beside each measured speedup, Theorem 3.8 with v(k)
-(``bench.e2e.improvement``, which assumes every step drafts k) and the round-mix prediction (``bench.e2e.round_mix``:
-the measured f, tau and draft length; the one that fits a model-free drafter).
+(``bench.speed.e2e.improvement``, which assumes every step drafts k) and the round-mix prediction
+(``bench.speed.e2e.round_mix``: the measured f, tau and draft length; the one that fits a model-free drafter).
 
 Dry run: a tiny random model (``models.TINY``) in place of SmolLM2 (no GGUF needed), the copy and long classes with
 prompts cut to their last 48 tokens, 6 new tokens, batches 1 and 2, the engines' static forward in mode "eager".
@@ -41,10 +41,10 @@ import torch
 import specdec
 from bench import gpu_weights
 from bench.common import PROMPT_CLASSES, chat_token_ids, load_prompts
-from bench.e2e import aggregate_metrics, improvement, interleave, rate, reuse_target_weights, round_mix
 from bench.gpu_steps.common import out_of_time, parse_args, runners, static_stats, stats_delta, write_json
 from bench.gpu_steps.e2e import Checked, K, RequestCheckError, engine_kwargs, runner_forward_seconds
 from bench.gpu_steps.models import TINY, write_random_llama
+from bench.speed.e2e import aggregate_metrics, improvement, interleave, rate, reuse_target_weights, round_mix
 from specdec.model.loader import resolve_model_path
 from specdec.model.tokenizer import Tokenizer
 

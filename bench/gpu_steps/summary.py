@@ -1,7 +1,7 @@
 """Step summary: summary.md from the other steps' files, ready to paste into docs/benchmarks.md.
 
-The projection uses ``bench.e2e.improvement`` (Theorem 3.8 of Leviathan et al. with the measured verification
-cost: (1 - a^(k+1)) / ((1 - a) (k c + v(k)))), the formula ``python -m bench.e2e`` prints as "Thm+v(k)".
+The projection uses ``bench.speed.e2e.improvement`` (Theorem 3.8 of Leviathan et al. with the measured verification
+cost: (1 - a^(k+1)) / ((1 - a) (k c + v(k)))), the formula ``python -m bench.speed.e2e`` prints as "Thm+v(k)".
 """
 
 from __future__ import annotations
@@ -269,14 +269,14 @@ def section_e2e(e2e: dict) -> list[str]:
 
 
 def section_projection(e2e: dict, alphas: list[float]) -> list[str]:
-    from bench.e2e import improvement
+    from bench.speed.e2e import improvement
 
     k = e2e.get("k", 4)
     lines = ["### Projection", "",
-             f"Predicted speedup = `bench.e2e.improvement(alpha, k={k}, c, v(k))` = (1 - a^(k+1)) / ((1 - a)(k c + "
-             "v(k))) (Theorem 3.8 with the measured verification cost, the \"Thm+v(k)\" column of `bench.e2e`), "
-             "from the c and v(k) measured above through the engine's runners (`path`), at assumed acceptances and at "
-             "the measured one, beside the measured speedup.", ""]  # fmt: skip
+             f"Predicted speedup = `bench.speed.e2e.improvement(alpha, k={k}, c, v(k))` = (1 - a^(k+1)) / "
+             "((1 - a)(k c + v(k))) (Theorem 3.8 with the measured verification cost, the \"Thm+v(k)\" column of "
+             "`bench.speed.e2e`), from the c and v(k) measured above through the engine's runners (`path`), at "
+             "assumed acceptances and at the measured one, beside the measured speedup.", ""]  # fmt: skip
     rows = []
     for name, entry in e2e.get("pairs", {}).items():
         for batch, r in entry.get("batches", {}).items():
@@ -289,16 +289,17 @@ def section_projection(e2e: dict, alphas: list[float]) -> list[str]:
 
 
 def section_cpu_acceptance(e2e: dict) -> list[str]:
-    """``bench.projection``'s table with this run's c and v(k): the real-weight acceptance measured on CPU
+    """``bench.projection.speculative``'s table with this run's c and v(k): the real-weight acceptance measured on CPU
     (bench/results), projected onto this GPU."""
-    from bench import projection
+    from bench.projection import speculative as projection
 
     gpu = projection.gpu_costs(e2e)
     if gpu is None:
         return []
     rows = [row for path in projection.DEFAULT_RESULTS if path.exists()
             for row in projection.project(path, lambda meta, k: gpu if meta.get("draft") else {**gpu, "c": 0.0})]
-    return ["#### Real-weight acceptance measured on CPU, projected with these c and v(k) (`bench.projection`)", "",
+    return ["#### Real-weight acceptance measured on CPU, projected with these c and v(k) "
+            "(`bench.projection.speculative`)", "",
             projection.markdown(rows), ""]
 
 

@@ -38,8 +38,9 @@ def section_real(real: dict, table, fmt) -> list[str]:
              "class's prompt files (batch 1: the first). f = share of decode steps that verified a draft (no match: a "
              "plain step); c = the drafter's measured host time per decode step (`propose`, the whole batch) / (k "
              "target decodes); v(k) through the engine's target runner (CUDA graphs on CUDA) at the class's context. "
-             "Predicted: Theorem 3.8 with v(k) (`bench.e2e.improvement`, every step drafting k) and the round mix "
-             "(`bench.e2e.round_mix`, the measured f, tau and draft length: the one that fits a model-free drafter).",
+             "Predicted: Theorem 3.8 with v(k) (`bench.speed.e2e.improvement`, every step drafting k) and the round "
+             "mix (`bench.speed.e2e.round_mix`, the measured f, tau and draft length: the one that fits a model-free "
+             "drafter).",
              ""]  # fmt: skip
     if real.get("failure"):
         lines += [f"**FAILED: {real['failure']}** (the rows below are the groups measured before it)", ""]

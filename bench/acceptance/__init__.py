@@ -1,0 +1,1 @@
+"""Acceptance benchmarks: how many draft tokens the target accepts (traces, block verification, EAGLE-3, trees)."""

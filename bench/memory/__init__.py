@@ -1,0 +1,1 @@
+"""Memory benchmarks: resident weights and KV cache of a configuration."""

@@ -1,0 +1,1 @@
+"""Serving benchmarks: load against the OpenAI-compatible server and a long soak run."""
