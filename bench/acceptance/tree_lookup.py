@@ -36,7 +36,7 @@ from bench.common import (
 from specdec.engine.sequence import Sequence
 from specdec.model.tokenizer import Tokenizer
 from specdec.sampling.params import SamplingParams
-from specdec.spec_decode.proposers.ngram import NgramProposer
+from specdec.spec_decode.proposers.ngram_table import NgramTableProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 from specdec.spec_decode.tree import DraftTree
 
@@ -72,7 +72,7 @@ def replay(config: Config, prompt: list[int], output: list[int], lookup_min: int
     if config.method == "prompt_lookup":
         drafter = PromptLookupProposer(lookup_min, max(lookup_min, 4), keep_chain=config.keep_chain)
     else:
-        drafter = NgramProposer(keep_chain=config.keep_chain)
+        drafter = NgramTableProposer(keep_chain=config.keep_chain)
     seq = Sequence(0, "replay", None, list(prompt), SamplingParams(), 0, frozenset())
     done = rounds = drafting_rounds = drafted = 0
     seconds = 0.0

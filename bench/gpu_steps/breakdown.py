@@ -166,7 +166,7 @@ def run_case(llm: specdec.LLM, label: dict, prompts: list[list[int]], p: dict, c
     bound. ``label["forward"] == "unfused"``: everything inside ``ops.fused_forward(False)``; ``"fused, no draft
     loop"``: the draft model's steps one by one (its draft loop, specdec/runner/draft_loop.py, set aside for the
     case)."""
-    draft_model = llm.engine.speculative.draft_model if llm.engine.speculative is not None else None
+    draft_model = llm.engine.speculative.proposer.draft_model if llm.engine.speculative is not None else None
     loop = draft_model.loop if draft_model is not None else None
     if loop is not None and label.get("forward") == "fused, no draft loop":
         draft_model.loop = None

@@ -121,7 +121,7 @@ def runners(engine) -> dict:
     """The ``ModelRunner``s of an ``LLMEngine`` by role: ``"target"`` always, ``"draft"`` when a draft model drafts
     (the draft model's own runner, on its own pool)."""
     found = {"target": engine.runner}
-    draft_model = engine.speculative.draft_model if engine.speculative is not None else None
+    draft_model = engine.speculative.proposer.draft_model if engine.speculative is not None else None
     if draft_model is not None:
         found["draft"] = draft_model.runner
     return found
@@ -134,7 +134,7 @@ def static_stats(engine) -> dict[str, dict]:
     the draft model the forwards its draft loop ran (``loop_steps``: a chain round's pure steps, one program - a
     CUDA graph on CUDA - per round; specdec/runner/draft_loop.py)."""
     stats = {}
-    draft_model = engine.speculative.draft_model if engine.speculative is not None else None
+    draft_model = engine.speculative.proposer.draft_model if engine.speculative is not None else None
     for role, runner in runners(engine).items():
         static = runner.static
         replays = static.num_replays if static is not None else 0

@@ -95,7 +95,9 @@ def new_engine(args, name: str) -> specdec.LLM:
 
 def reset_cold(llm: specdec.LLM) -> None:
     """Adaptive k back to a cold start (a warmed-up engine otherwise starts from what its warm-up measured)."""
-    reset = getattr(llm.engine.speculative, "reset_adaptive", None)  # (older trees have none: they stay warm)
+    spec = llm.engine.speculative
+    owner = getattr(spec, "policy", spec)  # the policy owns adaptive k (older trees: the speculative decoder did)
+    reset = getattr(owner, "reset_adaptive", None)  # (older trees have none: they stay warm)
     if reset is not None:
         reset()
 
