@@ -28,7 +28,7 @@ from specdec.runner.model_runner import ForwardItem, ModelRunner
 
 BENCH_DIR = Path(__file__).resolve().parent
 PROMPTS_DIR = BENCH_DIR / "prompts"
-RESULTS_DIR = BENCH_DIR / "results"  # tracked: the figures docs/benchmarks.md cites (written with --record)
+RESULTS_DIR = BENCH_DIR / "results"  # tracked: the figures docs/results.md cites (written with --record)
 OUT_DIR = BENCH_DIR / "out"  # git-ignored: where a run writes by default
 PROMPT_CLASSES = ("code", "json", "copy", "prose")
 

@@ -1,4 +1,4 @@
-"""The project's one command for a GPU: every GPU measurement in one call, results ready for docs/benchmarks.md.
+"""The project's one command for a GPU: every GPU measurement in one call, results ready for docs/results.md.
 
     PYTHONPATH=. python3 -m bench.gpu --out DIR [--dry-run] [--only STEP ...] [--budget-s N] [--alpha A ...]
 

@@ -27,7 +27,7 @@ position-keyed uniforms would be reused there after having conditioned this roun
 tests/kernels/test_block_verify_statistics.py detects). The round's start position grows every round (each
 emits at least one token), so these are fresh. The same holds for the drafts themselves: see "Drafts" below.
 The last token is ``argmax(max(w P - Q, 0) / E)`` with E on STREAM_RESIDUAL at position ``positions[b] + tau``,
-exactly as ``spec_sample`` draws its recovered / bonus token (``_argmax_over_noise`` with a scale ``w`` on p), so
+exactly as ``spec_sample`` draws its correction / bonus token (``_argmax_over_noise`` with a scale ``w`` on p), so
 no normalisation and no host sync. An all-zero residual (only possible at tau = 0 with P_0 <= Q_0 up to rounding;
 the stop rule needs r_tau > 0 elsewhere) samples from P_tau. The decision ``eta * (r + 1 - w) < r`` never divides
 (0/0 when w = 1 and P_i = Q_i reads as "never stop here", the correct limit), and once w = 0 no later position
@@ -46,7 +46,7 @@ verification never looks past the first rejection, so the next round, which star
 positions nobody has looked at. Block verification looks at the whole block, so a drafter whose noise is keyed by
 absolute position (``DraftModelDrafter`` under "token": STREAM_DRAFT at (seed, position)) re-draws positions
 ``positions[b] + tau + 1 .. positions[b] + k - 1`` in the next round with noise this round's decision depended on
-(with the same context - the recovered token equal to the draft it replaced - it is the very same token). Exact
+(with the same context - the correction token equal to the draft it replaced - it is the very same token). Exact
 losslessness across rounds therefore needs draft noise fresh per round: under ``verify="block"`` the engine's draft
 model keys draft j by (seed, round start, ``round_stream(STREAM_DRAFT, j)``) (``DraftModelDrafter.noise_per_round``),
 as the statistical test draws its drafts (and shows the position-keyed variant biased).

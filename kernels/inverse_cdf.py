@@ -9,7 +9,7 @@ a V-wide noise row (the exponential race ``argmax(w / E)`` it replaces cost 7-20
 
 How the cumulative sum is computed (the torch code here runs on CPU and CUDA tensors alike, the same way on both;
 the canonical chunk order keeps a kernel port able to pick the same token - the verification kernels, which
-draw their recovered / bonus token by the exponential race instead, see docs/kernels.md):
+draw their correction / bonus token by the exponential race instead, see docs/kernels.md):
 
 - Chunks of ``CDF_CHUNK`` = 256 ids (the last one zero-padded). A chunk's weight ``S_c`` is an fp32 sum in one
   canonical order, not "whatever order a reduction uses": halve the chunk, add element i to element i + h, and

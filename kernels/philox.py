@@ -17,7 +17,7 @@ wrong words). Noise over a vocabulary is drawn on the tensors' device, never on 
 
 - CUDA: the int64 torch code on the device (and the Triton twin inside the kernels);
 - CPU: the same code compiled by ``torch.compile`` (Inductor's C++ backend: one fused loop instead of ~80
-  elementwise passes; ``python -m bench.philox_cpu``, 1 thread: 1.5-6x faster than the numpy path it replaces
+  elementwise passes; ``python -m bench.costs.philox_cpu``, 1 thread: 1.5-6x faster than the numpy path it replaces
   and 3-11x faster than eager torch, the larger gains on the larger rows), called per chunk of
   ``_CPU_CHUNK_BLOCKS`` Philox blocks so its buffers stay in cache. Shapes are dynamic (one compilation per
   process, tens of seconds cold, seconds from Inductor's on-disk cache), made in a background thread started after
@@ -31,11 +31,11 @@ Two kinds of draw use it. A categorical draw takes ONE uniform per row, :func:`d
 indices 0 and 1 of (seed, position, stream): one Philox block), which ``specdec.kernels.inverse_cdf`` turns into a
 token - the plain sampler and a draft model's chains. Noise over a whole row (:func:`row_uniforms`,
 :func:`row_exponentials`) is left to what one uniform does not do: the tree drafter's children drawn without
-replacement (the top-c of ``q / E``, Gumbel-top-c), and the verification kernels' recovered / bonus token
+replacement (the top-c of ``q / E``, Gumbel-top-c), and the verification kernels' correction / bonus token
 (``argmax(r / E)``, kernels/spec_sample.py: an inverse-CDF port of those kernels was 5x slower on an H200 and
 disagreed with its reference inside a chunk; docs/kernels.md). :func:`sample_argmax` (``argmax(p / E)`` per row
 without materialising ``[R, V]`` noise on the CPU) is the exponential race the sampler used before the inverse
-CDF; nothing on the decoding path calls it now (``bench.philox_cpu`` times it).
+CDF; nothing on the decoding path calls it now (``bench.costs.philox_cpu`` times it).
 """
 
 import sys
@@ -50,7 +50,7 @@ from specdec.kernels._triton import tl, triton
 STREAM_SAMPLE = 0  # plain sampling of the next token (target-only decoding)
 STREAM_DRAFT = 1  # a draft model sampling its proposal from q
 STREAM_ACCEPT = 2  # the accept/reject uniform of a draft token
-STREAM_RESIDUAL = 3  # residual (recovered) token after a rejection, or the bonus token
+STREAM_RESIDUAL = 3  # correction token after a rejection (drawn from the residual distribution), or the bonus token
 STREAM_BLOCK_ACCEPT = 4  # block verification's stop uniforms, keyed by the round (kernels/block_verify.py)
 
 
@@ -145,7 +145,7 @@ def _block_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream, first_
 # draws the same numbers, a lock (the serve engine samples in its own thread) and an eager fallback when
 # compiling fails. ~16K blocks per call keeps its int64 temporaries
 # (4 x 8 bytes per block) and its output in L2: 1.9-2.7x faster than one call over [64, 128256] / [64, 32000]
-# (bench.philox_cpu --chunks 4096 16384 65536 0, two runs under load: 16K and 64K within the noise of each other,
+# (bench.costs.philox_cpu --chunks 4096 16384 65536 0, two runs under load: 16K and 64K within the noise of each other,
 # 4K paying ~70-120 us of dynamo guards per call).
 _CPU_CHUNK_BLOCKS = 1 << 14
 _cpu_lock = threading.Lock()  # serialises calls of the compiled function

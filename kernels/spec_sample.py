@@ -1,4 +1,4 @@
-"""Fused speculative verification: accept/reject of the drafts, residual (recovered) token and bonus token.
+"""Fused speculative verification: accept/reject of the drafts, correction token (drawn from the residual distribution) and bonus token.
 
 Leviathan et al. 2023, section 2.3 (Algorithm 1), for a batch of requests with ragged draft lengths, one
 Triton program per request. Layout (flattened like vLLM's rejection sampler; N = total drafts, B = requests):
@@ -12,7 +12,7 @@ Triton program per request. Layout (flattened like vLLM's rejection sampler; N =
     is_greedy            bool  [B]        temperature-0 request
     draft_is_onehot      bool  [B]        deterministic drafter (n-gram, argmax): q is one-hot at the draft
     seeds, positions     int64 [B]        request seed; absolute position of the first draft token
-    -> output_token_ids  int64 [B, max_k + 1]  accepted drafts, then one recovered/bonus token, then -1
+    -> output_token_ids  int64 [B, max_k + 1]  accepted drafts, then one correction/bonus token, then -1
     -> num_accepted      int32 [B]        accepted drafts; row b emits num_accepted[b] + 1 tokens
 
 Per request, draft j sits at position positions[b] + j and the bonus at positions[b] + k_b.
@@ -237,7 +237,7 @@ def _spec_sample_kernel(
     n = _accept_tokenwise(out_row_ptr, draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr,
                           first_draft, first_target, num_drafts, greedy, onehot, seed, position,
                           vocab_size)  # fmt: skip
-    # One more token at position n: the recovered token after a rejection, or the bonus token.
+    # One more token at position n: the correction token after a rejection, or the bonus token.
     token = _chain_final_token(draft_ids_ptr, draft_probs_ptr, target_probs_ptr, target_argmax_ptr, first_draft,
                                first_target, n, num_drafts, greedy, onehot, 1.0, seed, position, vocab_size,
                                BLOCK_V)  # fmt: skip
@@ -363,7 +363,7 @@ def spec_sample_reference(
     ok = torch.where(is_greedy[:, None], target_argmax[target_row] == drafts, u * q_x < p_x) & has_draft
     n = ok.long().cumprod(dim=-1).sum(dim=-1)  # (B,) length of the accepted prefix
 
-    # The recovered token at the first rejection, or the bonus token, at position n - for the sampled rows only
+    # The correction token at the first rejection, or the bonus token, at position n - for the sampled rows only
     # (greedy rows keep the target's argmax), each [S, V] step a fresh tensor at most once.
     # NOTE: boolean indexing syncs on CUDA, which is fine for a reference.
     rejected = n < num_drafts  # (B,)

@@ -14,7 +14,7 @@ compile) is printed.
 
 (The ``--host-overhead numpy`` mode that patched the numpy noise back into ``bench.costs.host_overhead`` is gone: the
 sampler and the verification references draw one uniform per row now, so there is no noise left to patch; the
-figures it gave are in docs/benchmarks.md, commit ``eb2d8f5``.)
+figures it gave were in docs/benchmarks.md at commit ``eb2d8f5``.)
 """
 
 from __future__ import annotations

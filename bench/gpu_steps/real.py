@@ -87,7 +87,7 @@ def smollm2_gguf(folder: Path) -> Path:
 
     if not gpu_weights.manifest_path(folder, DEFAULT_MODEL_GGUF).is_file():
         raise NoWeights(f"no {DEFAULT_MODEL_GGUF} manifest in {folder}: split it where it is installed and carry the "
-                        "chunks (python -m bench.gpu_weights split / plan; docs/benchmarks.md)")
+                        "chunks (python -m bench.gpu_weights split / plan; docs/benchmarking.md)")
     manifest = gpu_weights.load_manifest(folder, DEFAULT_MODEL_GGUF)
     if manifest["sha256"] != DEFAULT_MODEL_SHA256:
         raise gpu_weights.CorruptChunkError(f"{folder}: the manifest's sha256 {manifest['sha256']} is not SmolLM2's "

@@ -1,4 +1,4 @@
-"""Step summary: summary.md from the other steps' files, ready to paste into docs/benchmarks.md.
+"""Step summary: summary.md from the other steps' files, ready to paste into docs/results.md.
 
 The projection uses ``bench.speed.e2e.improvement`` (Theorem 3.8 of Leviathan et al. with the measured verification
 cost: (1 - a^(k+1)) / ((1 - a) (k c + v(k)))), the formula ``python -m bench.speed.e2e`` prints as "Thm+v(k)".
@@ -182,7 +182,7 @@ def section_e2e(e2e: dict) -> list[str]:
     if "warm_up" not in e2e:  # an e2e.json from before the warm-up / checks / graph-path costs (the first H200 run)
         lines += [f"An older e2e.json (draft_model, k={e2e.get('k')}, {e2e.get('max_tokens')} new tokens, median of "
                   f"{e2e.get('reps')} runs): its warm-up, prefix caching, request checks and costs were those of the "
-                  "code that wrote it, not the ones described in docs/benchmarks.md now; no `path` means c and v(k) "
+                  "code that wrote it, not the ones described in docs/results.md now; no `path` means c and v(k) "
                   "were timed through a fresh eager runner.", ""]  # fmt: skip
     else:
         tokens, complete = e2e.get("max_tokens"), "" if e2e.get("failure") else ", all complete"

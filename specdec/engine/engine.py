@@ -4,7 +4,9 @@ The engine owns the requests and the loop; each other job has its file: request 
 (``request_validation.py``), one step's computation (``step.py``), output processing and stop checks
 (``output_processor.py``), n > 1 fan-out and merging (``parallel_sampling.py``), scheduling (``scheduler.py``).
 What stays here: failure isolation (a step that raises is split and retried until the failure is pinned on the
-requests it belongs to) and the commit of each request's update.
+requests it belongs to) and the commit of each request's update. Over 300 lines because a request's whole lifetime
+(add, abort, step, commit, fail, finish) mutates the engine's one table of requests; the jobs that do not are in
+the files above.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class LLMEngine:
         windows of every length up to k + 1, the draft model's one-token steps - and in modes "cuda_graph" and
         "eager" the pure steps of a draft model's chain round as one program (``DraftModelProposer.enable_draft_loop``,
         specdec/runner/draft_loop.py). Called at start-up with ``"cuda_graph"`` on CUDA unless ``enforce_eager``;
-        ``"eager"`` / ``"compile"`` exercise the same path on CPU (tests, ``bench.host_overhead --static``). Takes one
+        ``"eager"`` / ``"compile"`` exercise the same path on CPU (tests, ``bench.costs.host_overhead --static``). Takes one
         block of each pool for padding rows (``EngineConfig.create`` sizes the pools with one to spare when graphs are
         on). ``block_buckets``: the block-table widths served (None: one, the widest; the CPU attention gathers the
         whole width, so on CPU several widths keep short sequences cheap). Not under tensor parallelism

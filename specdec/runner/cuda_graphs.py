@@ -10,6 +10,9 @@ on the host (``ops.paged_attention``'s uniform path). So it can be
 - compiled by ``torch.compile(fullgraph=True)`` once per bucket (mode ``"compile"``, CPU or CUDA), or
 - run as is on the padded static buffers (mode ``"eager"``: the same bucketing and padding, no capture).
 
+Over 300 lines because the three modes share one set of buckets, buffers and padding rules: split, they would
+have to agree on them across files.
+
 A batch of ``n`` sequences runs in the smallest batch bucket ``>= n``; rows ``n..bucket-1`` are *padding rows*:
 token 0 at positions ``0..q_len-1``, ``seq_len = q_len``, every block-table entry the reserved ``scratch_block``
 and K/V slots inside it (``scratch_block * block_size + i % block_size``). A padding row therefore writes K/V

@@ -21,7 +21,7 @@ draft matches its target at 0.63-0.76 of prose positions and 0.81-1.0 of structu
 (0.5, before) a young request started at k = 2 on the float32 Qwen pair and one rejection sent it back there, so a
 structured answer spent its first rounds climbing to k = 4; prose's first rounds, often its hardest, pulled the
 estimate under the break-even and turned speculation off for dozens of steps. End to end (float32, 128 tokens, 3
-repetitions, lockstep; docs/benchmarks.md "Adaptive k, 2026-11-28") 2:1 against 1:1: code 1.005 / 1.006, json 1.008
+repetitions, lockstep; bench/results/adaptive_k_20261128/README.md) 2:1 against 1:1: code 1.005 / 1.006, json 1.008
 / 0.953, copy 0.975 / 0.947, prose 0.994 / 0.876 of the best fixed k.
 
 **Trees** (``tree_nodes`` given: the configured tree's drafted nodes at depth d). A tree of depth d emits ``T(d)``

@@ -10,7 +10,7 @@ that same forward.
 A draft vocabulary smaller than the target's (Qwen2.5-7B+ targets have 152064 ids, their 0.5B-3B drafts 151936):
 the draft never sees an id it does not have. Such ids in the context are fed to it as ``UNKNOWN_ID_STANDIN``
 and left out of its penalty context; its q is zero on them, so it never proposes them, and verification (which
-uses exactly that q) stays lossless - the target still emits them through the residual or bonus token.
+uses exactly that q) stays lossless - the target still emits them through the correction or bonus token.
 
 A reduced draft vocabulary (``SpeculativeConfig(draft_vocab=)``, proposers/draft_vocab.py) goes further: the draft's
 LM head keeps the rows of a subset S of target ids only, so its logits are ``[N, |S|]``. Drafts are sampled over

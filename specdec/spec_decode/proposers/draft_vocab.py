@@ -3,7 +3,7 @@ rows of a subset S of the target's token ids (e.g. the 32k most frequent), so a 
 128k/152k-row head. Draft logits are ``[N, |S|]``; column c is target id ``target_ids[c]`` (ascending).
 
 q is exactly 0 outside S - the draft never proposes those ids - and verification uses exactly that q, so it stays
-lossless: the target still emits them through the residual or the bonus token. The draft's inputs are unchanged
+lossless: the target still emits them through the correction or the bonus token. The draft's inputs are unchanged
 (its embedding is whole; only the head is cut: specdec/model/subset_head.py).
 
 The file ``SpeculativeConfig(draft_vocab=PATH)`` names (:func:`read_draft_vocab`):
