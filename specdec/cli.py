@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from specdec.model.gguf import convert_gguf
+    from specdec.checkpoint.gguf import convert_gguf
 
     source, out = Path(args.gguf), Path(args.out_dir)
     if not source.is_file():
@@ -269,7 +269,7 @@ def _model_path(model: str | None) -> str:
     """``--model`` as given, or the embedded default model (converted once on first use)."""
     if model is not None:
         return model
-    from specdec.model.default_model import default_model_path
+    from specdec.checkpoint.default_model import default_model_path
 
     try:
         return default_model_path()

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import resolve_model_path
 from specdec.distributed.launch_env import LaunchEnv, check_launch
 from specdec.distributed.sharding import ShardLayout, check_quantized_tensor_parallel, check_tensor_parallel
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import available_memory_bytes, check_prepack_option
-from specdec.model.loader import resolve_model_path
 from specdec.model.quant.linear import check_quantization, check_quantize_lm_head
 
 logger = logging.getLogger(__name__)
@@ -175,8 +175,8 @@ def gguf_source_of(model: str, model_path: str) -> str | None:
     """The GGUF behind ``model`` (as given) / ``model_path`` (resolved folder), or None (see EngineConfig)."""
     if isinstance(model, str) and model.endswith(".gguf"):
         return model
-    from specdec.model.default_model import DEFAULT_MODEL_GGUF, default_gguf_path
-    from specdec.model.gguf import read_conversion_record
+    from specdec.checkpoint.default_model import DEFAULT_MODEL_GGUF, default_gguf_path
+    from specdec.checkpoint.gguf import read_conversion_record
 
     record = read_conversion_record(model_path)
     if record is None or record.get("source") != DEFAULT_MODEL_GGUF:

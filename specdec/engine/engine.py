@@ -17,6 +17,7 @@ import time
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import load_model
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.detokenizer import finalize_text
 from specdec.engine.output_processor import append_tokens, request_output
@@ -27,13 +28,12 @@ from specdec.engine.sequence import Sequence, Status
 from specdec.engine.step import RequestUpdate, compute_step, undo_step
 from specdec.engine.tensor_parallel import start_workers
 from specdec.model.config import ModelConfig
-from specdec.model.loader import load_model
-from specdec.model.tokenizer import Tokenizer
 from specdec.outputs import RequestOutput
 from specdec.runner.cuda_graphs import static_forward_mode
 from specdec.runner.model_runner import ModelRunner
 from specdec.sampling.params import SamplingParams
 from specdec.spec_decode.decoder import SpeculativeDecoder
+from specdec.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

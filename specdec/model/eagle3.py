@@ -43,10 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specdec.checkpoint.loader import iter_weights
 from specdec.model.config import ModelConfig
 from specdec.model.linear import Linear, prepack_linears, prepack_supported
 from specdec.model.llama import MLP, Attention, AttentionMetadata, RMSNorm
-from specdec.model.loader import iter_weights
 from specdec.model.rope import RotaryEmbedding
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")

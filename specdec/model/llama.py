@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from specdec import ops
+from specdec.checkpoint.safetensors_reader import TensorEntry
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.distributed.sharding import ShardLayout
 from specdec.model.config import ModelConfig
 from specdec.model.linear import Linear
 from specdec.model.rope import RotaryEmbedding
-from specdec.model.safetensors_reader import TensorEntry
 
 
 @dataclass

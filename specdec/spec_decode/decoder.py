@@ -25,7 +25,6 @@ from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.device import to_device
 from specdec.model.llama import LlamaForCausalLM
-from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.runner.step_output import StepOutput
 from specdec.sampling.metadata import SamplingMetadata
@@ -39,6 +38,7 @@ from specdec.spec_decode.proposers.draft_model import DraftModelProposer
 from specdec.spec_decode.proposers.factory import build_proposer
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.verify import PendingVerification, VerifyResult, verify_round
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass

@@ -7,15 +7,14 @@ from collections.abc import Callable
 
 from torch import nn
 
+from specdec.checkpoint.loader import load_model, read_checkpoint_tensor, resolve_model_path
 from specdec.config import EngineConfig, SpeculativeConfig, draft_model_dtype, eos_ids, gguf_source_of
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
 from specdec.model.linear import prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
-from specdec.model.loader import load_model, read_checkpoint_tensor, resolve_model_path
 from specdec.model.subset_head import restrict_lm_head
-from specdec.model.tokenizer import Tokenizer
 from specdec.runner.forward_timer import ForwardTimer
 from specdec.spec_decode.proposers.base import ModelFreeProposer, Proposer
 from specdec.spec_decode.proposers.combined import CombinedProposer
@@ -26,6 +25,7 @@ from specdec.spec_decode.proposers.draft_vocab import DraftVocab, read_draft_voc
 from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
 from specdec.spec_decode.proposers.ngram import NgramProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,

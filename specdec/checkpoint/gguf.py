@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specdec.model.config import GGUF_CONVERSION_RECORD
-from specdec.model.gguf_tokenizer import build_tokenizer
+from specdec.tokenizer.gguf_tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor
