@@ -166,7 +166,7 @@ def _convert_parser(conv: argparse.ArgumentParser) -> None:
 def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--speculative-method", default=None,
-                       help="draft_model | ngram | prompt_lookup | combined | eagle3 (default: plain decoding)")
+                       help="draft_model | ngram_table | prompt_lookup | combined | eagle3 (default: plain decoding)")
     group.add_argument("--draft-model", default=None,
                        help="draft model for draft_model / combined ('self': the target's checkpoint again); the "
                             "EAGLE-3 head for eagle3")
