@@ -18,8 +18,9 @@ import torch
 from specdec import ops
 from specdec.runner.step_output import StepOutput
 from specdec.sampling.metadata import SamplingMetadata
+from specdec.sampling.probs import apply_penalty_rows
+from specdec.sampling.probs import to_probs_unchecked as standardize_unchecked
 from specdec.sampling.sampler import greedy, nonfinite_rows
-from specdec.sampling.standardize import apply_penalty_rows, standardize_unchecked
 from specdec.spec_decode.metadata import SpecDecodeMetadata
 from specdec.spec_decode.proposers.base import check_draft_rows, split_drafts
 from specdec.spec_decode.tree import DraftTree

@@ -34,7 +34,8 @@ from specdec.device import to_device
 from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
 from specdec.runner.model_runner import ForwardItem
 from specdec.sampling.penalties import penalty_rows
-from specdec.sampling.standardize import SamplingTensors, apply_penalty_rows, standardize_unchecked
+from specdec.sampling.probs import SamplingTensors, apply_penalty_rows
+from specdec.sampling.probs import to_probs_unchecked as standardize_unchecked
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.draft_vocab import q_over_target
 from specdec.spec_decode.request import RequestView
