@@ -7,11 +7,12 @@ from collections.abc import Callable
 
 from torch import nn
 
+from specdec.checkpoint.eagle3 import load_eagle3_head
 from specdec.checkpoint.loader import load_model, read_checkpoint_tensor, resolve_model_path
 from specdec.config import EngineConfig, SpeculativeConfig, draft_model_dtype, eos_ids, gguf_source_of
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.model.config import ModelConfig, resolve_dtype
-from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
+from specdec.model.eagle3 import Eagle3Config
 from specdec.model.linear import prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
 from specdec.model.subset_head import restrict_lm_head
