@@ -7,6 +7,9 @@ tree they differ.
 
 Weights use Hugging Face names on disk; q/k/v and gate/up are fused into one matmul each at load time
 (fewer, larger GEMMs - the gpt-fast / vLLM layout).
+
+Over 300 lines because the blocks (RMSNorm, Attention, MLP, DecoderLayer) and the model read best together, as in
+gpt-fast's model.py, and ``load_weights`` fuses checkpoint tensors into exactly the parameters those blocks define.
 """
 
 from __future__ import annotations
