@@ -37,7 +37,7 @@ PROMPT_CLASSES = ("code", "json", "copy", "prose")
 def resolve_model(name: str) -> str:
     """A model folder from an alias (``smollm2``, ``qwen-0.5b``, ``qwen-1.5b``) or a path / hub id as given."""
     if name == "smollm2":
-        from specdec.model.default_model import default_model_path
+        from specdec.checkpoint.default_model import default_model_path
 
         return str(default_model_path())
     if name in ("qwen-0.5b", "qwen-1.5b"):

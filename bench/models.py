@@ -23,15 +23,15 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.model.default_model import (
+from specdec.checkpoint.default_model import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_SHA256,
-    cache_root,
     default_gguf_path,
     ensure_converted,
     verify_sha256,
 )
-from specdec.model.gguf import DTYPES
+from specdec.checkpoint.gguf import DTYPES
+from specdec.paths import cache_root
 
 
 @dataclass(frozen=True)

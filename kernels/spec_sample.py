@@ -1,4 +1,5 @@
-"""Fused speculative verification: accept/reject of the drafts, correction token (drawn from the residual distribution) and bonus token.
+"""Fused speculative verification: accept/reject of the drafts, the correction token (drawn from the residual
+distribution) and the bonus token.
 
 Leviathan et al. 2023, section 2.3 (Algorithm 1), for a batch of requests with ragged draft lengths, one
 Triton program per request. Layout (flattened like vLLM's rejection sampler; N = total drafts, B = requests):

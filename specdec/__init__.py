@@ -1,8 +1,8 @@
 """specdec: lossless speculative decoding for Llama-family models on a paged KV cache."""
 
+from specdec.checkpoint.default_model import default_model_path
 from specdec.config import SpeculativeConfig
 from specdec.llm import LLM
-from specdec.model.default_model import default_model_path
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling.params import SamplingParams
 

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import torch
 
+from specdec.checkpoint.default_model import default_model_path
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.engine import LLMEngine
-from specdec.model.default_model import default_model_path
 from specdec.outputs import RequestOutput
 from specdec.sampling.params import SamplingParams
 

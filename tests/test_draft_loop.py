@@ -10,7 +10,7 @@ from tiny_models import make_tiny_model
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.runner.draft_loop import DraftLoopRunner, sampling_kind
-from specdec.sampling.standardize import SamplingTensors
+from specdec.sampling.probs import SamplingTensors
 from specdec.spec_decode.proposers.draft_vocab import write_draft_vocab
 
 GREEDY = SamplingParams(temperature=0, max_tokens=18, ignore_eos=True)

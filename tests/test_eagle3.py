@@ -20,7 +20,8 @@ from tiny_models import make_tiny_eagle3_head, make_tiny_model
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.model.eagle3 import Eagle3Config, default_aux_layers, published_tensors
+from specdec.checkpoint.eagle3 import published_tensors
+from specdec.model.eagle3 import Eagle3Config, default_aux_layers
 from specdec.runner.model_runner import ForwardItem
 
 VOCAB, HIDDEN, LAYERS = 300, 64, 4

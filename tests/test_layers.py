@@ -1,6 +1,7 @@
 """Imports run one way, bottom to top (docs/architecture.md, "Layers"):
 
-    kernels/, device, outputs -> ops -> model/, cache/, sampling/ -> config, runner/ -> spec_decode/ -> engine/
+    kernels/, device, memory, paths, outputs -> ops -> model/, checkpoint/, tokenizer/, cache/, sampling/
+    -> config/, runner/ -> spec_decode/ -> engine/
     -> llm, serve/, training/, cli (the front ends)
 
 A module may import its own layer and the layers below it, never one above: a proposer never reaches into the
@@ -25,11 +26,13 @@ REPO = Path(__file__).resolve().parents[1]
 # bottom first; a module belongs to the layer of its longest matching prefix ("specdec", the package's own
 # __init__, matches only itself)
 LAYERS: list[tuple[str, ...]] = [
-    ("specdec.kernels", "specdec.device", "specdec.outputs"),
+    ("specdec.kernels", "specdec.device", "specdec.memory", "specdec.paths", "specdec.outputs"),
     ("specdec.ops",),
-    # the sharded forward's pieces sit with the model; starting and driving workers with the runner
-    ("specdec.model", "specdec.cache", "specdec.sampling", "specdec.distributed.comm", "specdec.distributed.sharding",
-     "specdec.distributed.layers"),
+    # the sharded forward's pieces sit with the model; starting and driving workers with the runner. Checkpoints
+    # build the forward (checkpoint -> model) and the forward reads checkpoint entries in place (model.llama ->
+    # checkpoint.safetensors_reader), so the two share a layer; test_no_import_cycles keeps them acyclic
+    ("specdec.model", "specdec.checkpoint", "specdec.tokenizer", "specdec.cache", "specdec.sampling",
+     "specdec.distributed.comm", "specdec.distributed.sharding", "specdec.distributed.layers"),
     ("specdec.config", "specdec.runner", "specdec.distributed"),
     ("specdec.spec_decode",),
     ("specdec.engine",),
@@ -59,13 +62,32 @@ def source_modules(root: Path) -> dict[str, Path]:
     return out
 
 
-def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
+def _module_level(tree: ast.Module) -> list[ast.stmt]:
+    """The statements that run when the module is imported: the body and the branches of top-level ``if`` / ``try``
+    / ``with`` (not functions or classes' methods, and not ``if TYPE_CHECKING:``)."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If):
+            if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                todo += node.body
+            todo += node.orelse
+        elif isinstance(node, ast.Try):
+            todo += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+        elif isinstance(node, ast.With):
+            todo += node.body
+    return out
+
+
+def imports_of(module: str, path: Path, known: set[str], module_level: bool = False) -> list[tuple[int, str]]:
     """(line, imported module) for every specdec import in ``path`` (``from specdec import ops`` names the
-    submodule ``specdec.ops``; relative imports resolved)."""
+    submodule ``specdec.ops``; relative imports resolved). ``module_level``: only the imports that run when the
+    module is imported (``_module_level``), not those inside functions."""
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(tree):
+    for node in (_module_level(tree) if module_level else ast.walk(tree)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("specdec")]
         elif isinstance(node, ast.ImportFrom):
@@ -100,6 +122,71 @@ def check(root: Path) -> list[str]:
                 problems.append(f"{path.relative_to(root)}:{line} ({module}, layer {rank}) imports {target} "
                                 f"(layer {target_rank}): imports must not run up the layers")
     return problems
+
+
+def import_cycles(root: Path, module_level: bool = False) -> list[list[str]]:
+    """Every cycle of imports among the package's modules, as the strongly connected components of the import graph
+    with more than one module (or a module importing itself), each sorted. ``module_level=False`` (the stricter):
+    every import, inside functions too - a lazy import that closes a loop still ties the modules together;
+    ``module_level=True``: only the imports that run when a module is imported (``_module_level``)."""
+    modules = source_modules(root)
+    known = set(modules)
+    graph = {m: sorted({t for _, t in imports_of(m, p, known, module_level) if t in known})
+             for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan; the graph is ~200 modules, well inside the recursion limit
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_no_import_cycles():
+    """No cycle, counting imports inside functions too (the last one, before the checkpoint package: the quantised
+    loader imported the model loader for ``cache_root``, which imported the quantised loader lazily)."""
+    cycles = import_cycles(REPO)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_checker_sees_a_cycle(tmp_path):
+    """A planted cycle (a -> b -> a at module level) is reported; a pair joined by an import inside a function and
+    one under ``if TYPE_CHECKING:`` (c <-> d) is reported only when imports inside functions count."""
+    for rel in ("specdec/__init__.py", "specdec/pkg/__init__.py", "kernels/__init__.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    (tmp_path / "specdec/pkg/a.py").write_text("from specdec.pkg.b import g\n")
+    (tmp_path / "specdec/pkg/b.py").write_text("import specdec.pkg.a\n\ndef g():\n    return 1\n")
+    (tmp_path / "specdec/pkg/c.py").write_text("def f():\n    from specdec.pkg.d import g\n    return g\n")
+    (tmp_path / "specdec/pkg/d.py").write_text(
+        "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from specdec.pkg.c import f\n\n"
+        "from specdec.pkg import c\n\ndef g():\n    return c\n")
+    assert import_cycles(tmp_path, module_level=True) == [["specdec.pkg.a", "specdec.pkg.b"]]
+    assert import_cycles(tmp_path) == [["specdec.pkg.a", "specdec.pkg.b"], ["specdec.pkg.c", "specdec.pkg.d"]]
 
 
 def test_imports_run_one_way():

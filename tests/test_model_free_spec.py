@@ -113,7 +113,7 @@ def test_measured_cost_model_fits_the_target_line_and_the_draft_ratio():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from specdec.model.default_model import default_model_path
+    from specdec.checkpoint.default_model import default_model_path
 
     return default_model_path()
 

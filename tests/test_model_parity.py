@@ -6,8 +6,8 @@ from tiny_models import make_tiny_model
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import load_model
 from specdec.model.config import ModelConfig
-from specdec.model.loader import load_model
 from specdec.model.rope import inverse_frequencies
 from specdec.runner.model_runner import ForwardItem, ModelRunner
 

@@ -15,7 +15,7 @@ import torch
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.model.loader import load_model
+from specdec.checkpoint.loader import load_model
 from specdec.model.quant.linear import QuantizedLinear, quantize_linears
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

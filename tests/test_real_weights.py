@@ -9,7 +9,7 @@ from helpers import assert_greedy_equal
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
-from specdec.model.default_model import default_gguf_path, default_model_path
+from specdec.checkpoint.default_model import default_gguf_path, default_model_path
 
 PROMPTS = [
     "The capital of France is",

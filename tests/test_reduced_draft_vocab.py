@@ -15,10 +15,10 @@ from tiny_models import make_tiny_model
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
+from specdec.checkpoint.loader import load_model
 from specdec.cli import build_parser, main, speculative_config
 from specdec.config import check_draft_tensor_parallel
 from specdec.model.linear import Linear
-from specdec.model.loader import load_model
 from specdec.model.quant.linear import QuantizedLinear
 from specdec.sampling.penalties import row_counts
 from specdec.spec_decode.proposers.draft_model import sample_draft_step

@@ -17,11 +17,11 @@ from tiny_models import make_tiny_model
 
 from specdec import ops
 from specdec.cache.block_manager import BlockManager
+from specdec.checkpoint.loader import load_model
 from specdec.kernels.paged_attention import launch_plan, paged_attention_uniform
 from specdec.kernels.paged_attention_reference import paged_attention_reference, paged_attention_uniform_reference
 from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
-from specdec.model.loader import load_model
 from specdec.runner.cuda_graphs import BucketKey, StaticForwardRunner, reserve_scratch_block
 
 BLOCK_SIZE = 4

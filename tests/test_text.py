@@ -8,7 +8,7 @@ import specdec
 from specdec import SamplingParams
 from specdec.engine.detokenizer import _held_back, append_text
 from specdec.engine.sequence import Sequence
-from specdec.model.tokenizer import Tokenizer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

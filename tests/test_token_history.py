@@ -14,8 +14,9 @@ from specdec.kernels.philox import STREAM_SAMPLE
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import penalty_context, penalty_rows, row_counts
+from specdec.sampling.probs import SamplingTensors, apply_penalties, apply_penalty_rows
+from specdec.sampling.probs import to_probs as standardize
 from specdec.sampling.sampler import sample_from_probs, sample_rows
-from specdec.sampling.standardize import SamplingTensors, apply_penalties, apply_penalty_rows, standardize
 
 
 def make_seq(prompt, params=None, seq_id=0):

@@ -170,7 +170,7 @@ def test_kv_pool_cap_is_shared_by_the_ranks_on_cpu(pair, monkeypatch):
     """On CPU the N ranks share the host's memory: the cap (half of what the weights leave) is split over them."""
     import torch
 
-    import specdec.config as config_module
+    import specdec.config.kv_pool_sizing as config_module
     from specdec.model.config import ModelConfig
 
     cfg = ModelConfig.from_json(pair[0])

@@ -15,13 +15,13 @@ from tiny_models import make_tiny_model
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import iter_weight_entries, load_model
+from specdec.checkpoint.safetensors_reader import read_header
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.launcher import TensorParallelWorkers
 from specdec.distributed.sharding import ShardLayout, check_tensor_parallel
 from specdec.distributed.worker import ModelSpec
 from specdec.model.config import ModelConfig
-from specdec.model.loader import iter_weight_entries, load_model
-from specdec.model.safetensors_reader import read_header
 from specdec.runner.model_runner import ForwardItem, ModelRunner
 
 VOCAB = 301

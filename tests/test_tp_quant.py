@@ -19,11 +19,11 @@ import test_tp_model as tpm
 import torch
 
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import load_model, read_checkpoint_tensor
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.launcher import TensorParallelWorkers
 from specdec.distributed.worker import ModelSpec, load_shards
 from specdec.model.config import ModelConfig
-from specdec.model.loader import load_model, read_checkpoint_tensor
 from specdec.model.quant.linear import QuantizedLinear
 
 # (variant of test_tp_model.VARIANTS, quantization, group size, quantize_lm_head, tolerance)

@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import load_file
 from tiny_models import make_tiny_model
 
+from specdec.checkpoint.eagle3 import check_layout, published_tensors
 from specdec.cli import main
-from specdec.model.eagle3 import Eagle3Config, check_layout, default_aux_layers, published_tensors
+from specdec.model.eagle3 import Eagle3Config, default_aux_layers
 from specdec.training import TrainDraftConfig, train_draft
 from specdec.training.data import load_samples
 from specdec.training.evaluate import acceptance

@@ -44,7 +44,7 @@ from bench.common import (
 )
 from specdec import ops
 from specdec.kernels.block_verify import block_weights, residual_mass
-from specdec.model.tokenizer import Tokenizer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 def expected_accepted(p_rows: torch.Tensor, q_rows: torch.Tensor, drafts: torch.Tensor) -> tuple[float, float]:

@@ -34,11 +34,11 @@ from bench.common import (
     set_threads,
 )
 from specdec.engine.sequence import Sequence
-from specdec.model.tokenizer import Tokenizer
 from specdec.sampling.params import SamplingParams
 from specdec.spec_decode.proposers.ngram_table import NgramTableProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 from specdec.spec_decode.tree import DraftTree
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from bench.common import (
     write_json,
 )
 from specdec.config import SPECULATIVE_METHODS, parse_tree
-from specdec.model.tokenizer import Tokenizer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 PROMPT_CLASSES = ["code", "copy", "json", "prose"]
 

@@ -34,10 +34,10 @@ from bench.common import (
     write_json,
 )
 from bench.gpu_steps.models import write_random_llama
+from specdec.checkpoint.loader import load_model
 from specdec.engine.sequence import Sequence
 from specdec.model.config import ModelConfig
 from specdec.model.linear import prepack_linears, prepack_supported
-from specdec.model.loader import load_model
 from specdec.model.subset_head import restrict_lm_head
 from specdec.sampling.params import SamplingParams
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer

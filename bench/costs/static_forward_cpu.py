@@ -22,9 +22,9 @@ import time
 import torch
 
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import load_model
 from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
-from specdec.model.loader import load_model
 from specdec.runner.cuda_graphs import StaticForwardRunner
 
 
@@ -37,7 +37,7 @@ def _model_path(name: str | None) -> str:
         make_tiny_model(path, "llama", seed=0, max_position_embeddings=2048)
         return path
     if name is None:
-        from specdec.model.default_model import default_model_path
+        from specdec.checkpoint.default_model import default_model_path
 
         return default_model_path()
     return name

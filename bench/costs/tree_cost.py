@@ -26,8 +26,8 @@ from bench.common import (
     set_threads,
     write_json,
 )
+from specdec.checkpoint.loader import load_model
 from specdec.model.config import ModelConfig, resolve_dtype
-from specdec.model.loader import load_model
 
 
 def main(argv: list[str] | None = None) -> int:

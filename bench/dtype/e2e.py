@@ -46,7 +46,7 @@ from bench.common import (
 )
 from bench.speed.e2e import reuse_target_weights
 from specdec.model.linear import Linear, prepack_linears, prepack_supported
-from specdec.model.tokenizer import Tokenizer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 VARIANTS = ("fp32", "bf16", "bf16_old")
 

@@ -41,9 +41,9 @@ from bench.common import (
     slug,
     write_json,
 )
+from specdec.checkpoint.loader import load_model
 from specdec.model.config import ModelConfig
 from specdec.model.linear import Linear
-from specdec.model.loader import load_model
 
 VARIANTS = ("fp32", "bf16", "bf16packed_all")
 MAX_POSITIONS = 2048

@@ -45,8 +45,8 @@ from bench.gpu_steps.common import out_of_time, parse_args, runners, static_stat
 from bench.gpu_steps.e2e import Checked, K, RequestCheckError, engine_kwargs, runner_forward_seconds
 from bench.gpu_steps.models import TINY, write_random_llama
 from bench.speed.e2e import aggregate_metrics, improvement, interleave, rate, reuse_target_weights, round_mix
-from specdec.model.loader import resolve_model_path
-from specdec.model.tokenizer import Tokenizer
+from specdec.checkpoint.loader import resolve_model_path
+from specdec.tokenizer.tokenizer import Tokenizer
 
 CLASSES = (*PROMPT_CLASSES, "long")
 METHODS = ("prompt_lookup", "ngram")
@@ -83,7 +83,7 @@ def plan(args) -> dict:
 def smollm2_gguf(folder: Path) -> Path:
     """The default model's GGUF reassembled in ``folder`` (joined now if needed; ``bench.gpu_weights.join`` is
     idempotent), checked against MODELS.md's sha256. ``NoWeights`` without its manifest."""
-    from specdec.model.default_model import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_SHA256
+    from specdec.checkpoint.default_model import DEFAULT_MODEL_GGUF, DEFAULT_MODEL_SHA256
 
     if not gpu_weights.manifest_path(folder, DEFAULT_MODEL_GGUF).is_file():
         raise NoWeights(f"no {DEFAULT_MODEL_GGUF} manifest in {folder}: split it where it is installed and carry the "

@@ -7,7 +7,7 @@ speculative speedup the same roofline predicts at a few acceptance rates.
 **A bound, not a measurement.** At batch 1 a decode forward reads every weight once, so tokens/s <= bandwidth /
 bytes per forward; kernel launches, host work, attention and the KV cache are left out, and the quantised kernel
 is assumed to stream its weights at the same bandwidth as bf16 - which specdec's Triton kernel has **not** been
-shown to do (bench/results/gpu_h200_20261126_run3/README.md, "Third GPU run": the first version ran at 2-7% of cuBLAS bf16; the redesigned one
+shown to do (the third GPU run, bench/results/gpu_h200_20261126_run3/README.md: the first version ran at 2-7% of cuBLAS bf16; the redesigned one
 is unmeasured). The default bandwidth is the H100 SXM's nominal 3.35 TB/s.
 
 Bytes per weight in specdec's formats (``specdec/model/quant/formats.py``, as the CUDA path holds them): bf16 2;

@@ -63,7 +63,7 @@ from bench.common import (
     write_json,
 )
 from specdec.config import SPECULATIVE_METHODS, VERIFY_METHODS, parse_tree
-from specdec.model.tokenizer import Tokenizer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 # --- engines -----------------------------------------------------------------------------------------------

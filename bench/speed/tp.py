@@ -232,8 +232,8 @@ def measure_collectives(args) -> dict:
 def memory_one(args) -> dict:
     """In this process: load the target with ``args.memory_one`` ranks (no draft, 1 thread); every rank's peak RSS,
     rank 0's RSS before loading and its parameter bytes, and the share a rank should hold."""
+    from specdec.checkpoint.loader import iter_weight_entries
     from specdec.distributed.sharding import ShardLayout
-    from specdec.model.loader import iter_weight_entries
 
     ranks = args.memory_one
     set_threads(1)

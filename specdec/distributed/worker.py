@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import load_model
 from specdec.distributed.channel import WORKER_IDLE_TIMEOUT_S, CommandChannel
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.payload import CompactHeader, ForwardHeader, ShutdownHeader, unpack_forward
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
-from specdec.model.loader import load_model
 
 SHUTDOWN = "shutdown"  # through the pipe of a spawned worker, before it connected
 CONNECT = "connect"

@@ -8,7 +8,7 @@ it; ``token_ids`` keep the token that completed it.
 from __future__ import annotations
 
 from specdec.engine.sequence import Sequence
-from specdec.model.tokenizer import Tokenizer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 def append_text(seq: Sequence, tokenizer: Tokenizer) -> bool:

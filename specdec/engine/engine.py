@@ -19,6 +19,7 @@ import time
 
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import load_model
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.engine.detokenizer import finalize_text
 from specdec.engine.output_processor import append_tokens, request_output
@@ -29,13 +30,12 @@ from specdec.engine.sequence import Sequence, Status
 from specdec.engine.step import RequestUpdate, compute_step, undo_step
 from specdec.engine.tensor_parallel import start_workers
 from specdec.model.config import ModelConfig
-from specdec.model.loader import load_model
-from specdec.model.tokenizer import Tokenizer
 from specdec.outputs import RequestOutput
 from specdec.runner.cuda_graphs import static_forward_mode
 from specdec.runner.model_runner import ModelRunner
 from specdec.sampling.params import SamplingParams
 from specdec.spec_decode.speculator import Speculator
+from specdec.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,8 @@ class LLMEngine:
         windows of every length up to k + 1, the draft model's one-token steps - and in modes "cuda_graph" and
         "eager" the pure steps of a draft model's chain round as one program (``DraftModelProposer.enable_draft_loop``,
         specdec/runner/draft_loop.py). Called at start-up with ``"cuda_graph"`` on CUDA unless ``enforce_eager``;
-        ``"eager"`` / ``"compile"`` exercise the same path on CPU (tests, ``bench.costs.host_overhead --static``). Takes one
+        ``"eager"`` / ``"compile"`` exercise the same path on CPU (tests, ``bench.costs.host_overhead --static``).
+        Takes one
         block of each pool for padding rows (``EngineConfig.create`` sizes the pools with one to spare when graphs are
         on). ``block_buckets``: the block-table widths served (None: one, the widest; the CPU attention gathers the
         whole width, so on CPU several widths keep short sequences cheap). Not under tensor parallelism

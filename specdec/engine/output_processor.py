@@ -11,9 +11,9 @@ import time
 
 from specdec.engine.detokenizer import append_text
 from specdec.engine.sequence import Sequence
-from specdec.model.tokenizer import Tokenizer
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling.logprobs import TokenLogprobs
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 def append_tokens(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs] | None,

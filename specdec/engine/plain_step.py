@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from specdec.device import StepOutput
 from specdec.engine.sequence import Sequence
 from specdec.runner.model_runner import ForwardItem
-from specdec.device import StepOutput
 from specdec.sampling.sampler import sample_next_tokens
 
 

@@ -3,8 +3,8 @@ allowed, and no state changed."""
 
 from __future__ import annotations
 
-from specdec.model.tokenizer import Tokenizer
 from specdec.sampling.params import SamplingParams
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 def validate_request(prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams,

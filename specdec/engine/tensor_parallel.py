@@ -4,6 +4,7 @@ says which, ``launch_env.py``)."""
 
 from __future__ import annotations
 
+from specdec.checkpoint.loader import resolve_model_path
 from specdec.config import (
     EngineConfig,
     SpeculativeConfig,
@@ -18,7 +19,6 @@ from specdec.distributed.sharding import check_quantized_tensor_parallel, check_
 from specdec.distributed.torchrun import TorchrunDriver, serve_as_worker
 from specdec.distributed.worker import ModelSpec
 from specdec.model.config import ModelConfig
-from specdec.model.loader import resolve_model_path
 
 
 def start_workers(config: EngineConfig, spec: SpeculativeConfig | None) -> DriverLink | None:

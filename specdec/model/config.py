@@ -17,7 +17,7 @@ import torch
 
 from specdec.model.linear import prepack_supported
 
-GGUF_CONVERSION_RECORD = "specdec_conversion.json"  # written by specdec/model/gguf.py beside a converted config.json
+GGUF_CONVERSION_RECORD = "specdec_conversion.json"  # beside a converted config.json (checkpoint/gguf.py)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 from torch import nn
+
+from specdec.memory import available_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -141,21 +142,6 @@ def check_prepack_option(prepack_weights: object, dtype: torch.dtype, device: to
     if prepack_weights and not prepack_supported(dtype, device):
         raise ValueError(f"prepack_weights=True needs a CPU float32 model (or bfloat16 on a CPU with native bf16) and "
                          f"a torch with oneDNN; got {dtype} on {device} (use None for 'where supported', or False)")
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable (free + reclaimable page cache, e.g. the safetensors just read), else free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def prepack_linears(model: nn.Module, required: bool = False, release_weights: bool = True) -> int:

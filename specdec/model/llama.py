@@ -7,6 +7,9 @@ tree they differ.
 
 Weights use Hugging Face names on disk; q/k/v and gate/up are fused into one matmul each at load time
 (fewer, larger GEMMs - the gpt-fast / vLLM layout).
+
+Over 300 lines because the blocks (RMSNorm, Attention, MLP, DecoderLayer) and the model read best together, as in
+gpt-fast's model.py, and ``load_weights`` fuses checkpoint tensors into exactly the parameters those blocks define.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ import torch
 from torch import nn
 
 from specdec import ops
+from specdec.checkpoint.safetensors_reader import TensorEntry
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.distributed.sharding import ShardLayout
 from specdec.model.config import ModelConfig
 from specdec.model.linear import Linear
 from specdec.model.rope import RotaryEmbedding
-from specdec.model.safetensors_reader import TensorEntry
 
 
 @dataclass

@@ -36,8 +36,8 @@ import torch
 
 from specdec.model.llama import AttentionMetadata, LlamaForCausalLM
 from specdec.sampling.metadata import SamplingMetadata
+from specdec.sampling.probs import SamplingTensors
 from specdec.sampling.sampler import sample_with_metadata
-from specdec.sampling.standardize import SamplingTensors
 
 MODES = ("cuda_graph", "eager")
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import torch
 from specdec.device import to_device
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import PenaltyCounts, PenaltyRows, penalty_rows
-from specdec.sampling.standardize import SamplingTensors
+from specdec.sampling.probs import SamplingTensors
 
 
 @dataclass

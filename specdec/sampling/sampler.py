@@ -1,5 +1,5 @@
-"""Plain (non-speculative) next-token sampling: penalties -> standardize -> exact sampling by inverse CDF with one
-Philox uniform per row."""
+"""Plain (non-speculative) next-token sampling: penalties -> probabilities (to_probs) -> exact sampling by inverse
+CDF with one Philox uniform per row."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from specdec.kernels.philox import STREAM_SAMPLE
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
 from specdec.sampling.penalties import PenaltyCounts
-from specdec.sampling.standardize import apply_penalty_rows, standardize, standardize_unchecked
+from specdec.sampling.probs import apply_penalty_rows, to_probs, to_probs_unchecked
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -54,8 +54,8 @@ def sample_rows(
     bad_rows: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tokens int64 [R], probs fp32 [R, V] or None when every row is greedy) - the sampler of plain decoding
-    and of draft models (``stream`` keeps their random numbers apart). ``probs`` is the standardized
-    distribution each sampled row was drawn from (garbage for greedy rows).
+    and of draft models (``stream`` keeps their random numbers apart). ``probs`` is the distribution (``to_probs``)
+    each sampled row was drawn from (garbage for greedy rows).
 
     NaN/inf logits raise ``FloatingPointError`` (a host read), unless ``bad_rows`` is given: then the bool ``[R]``
     of bad rows is appended to it, on the device, and the caller must check it before using those rows' tokens.
@@ -79,9 +79,9 @@ def sample_with_metadata(
             bad_rows.append(nonfinite_rows(logits))
         return greedy(logits), None
     if bad_rows is None:
-        probs = standardize(logits, st)
+        probs = to_probs(logits, st)
     else:
-        probs, bad = standardize_unchecked(logits, st)  # bad: the rows standardize() would raise for
+        probs, bad = to_probs_unchecked(logits, st)  # bad: the rows to_probs() would raise for
         bad_rows.append(bad)
     sampled = sample_from_probs(probs, meta.seeds, meta.positions, stream)
     if not st.any_greedy:  # no argmax pass over [R, V] for a batch without greedy rows

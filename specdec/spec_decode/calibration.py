@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.runner.model_runner import ForwardItem, ModelRunner
+from specdec.spec_decode.forward_timer import ForwardTimer
 
 SCRATCH_SEQ_ID = -2  # the runners' scratch block is -1; calibration's pseudo-sequence
 CONTEXT = 128  # cached tokens behind the timed forwards

@@ -1,4 +1,4 @@
-"""Verification: standardize the target's p at every draft position, then accept/reject + residual + bonus.
+"""Verification: the target's p (``to_probs``) at every draft position, then accept/reject + correction + bonus.
 
 The accept/reject itself is one op (``ops.spec_sample`` / ``ops.block_verify`` for chains, ``ops.tree_sample``
 for trees: the fused Triton kernel on CUDA, its torch reference on CPU). This module queues it: p with the same
@@ -18,8 +18,8 @@ import torch
 from specdec import ops
 from specdec.device import StepOutput
 from specdec.sampling.metadata import SamplingMetadata
+from specdec.sampling.probs import apply_penalty_rows, to_probs_unchecked
 from specdec.sampling.sampler import greedy, nonfinite_rows
-from specdec.sampling.standardize import apply_penalty_rows, standardize_unchecked
 from specdec.spec_decode.metadata import SpecDecodeMetadata
 from specdec.spec_decode.proposers.base import check_draft_rows, split_drafts
 from specdec.spec_decode.tree import DraftTree
@@ -66,7 +66,7 @@ def verify_round(logits: torch.Tensor, meta: SpecDecodeMetadata, sampling: Sampl
         pending.target_bad_handle = out.add(nonfinite_rows(window_logits))
         pending.argmax_handle = out.add(target_argmax)
         return pending
-    target_probs, bad = standardize_unchecked(window_logits, st)  # (N + B, V); bad rows checked after the read
+    target_probs, bad = to_probs_unchecked(window_logits, st)  # (N + B, V); bad rows checked after the read
     pending.target_bad_handle = out.add(bad)
     per_request = (
         st.temperature.index_select(0, meta.window_starts) == 0,  # is_greedy bool [B]

@@ -127,7 +127,7 @@ def load_train_head(path: str, max_positions: int) -> tuple[TrainHead, torch.Ten
     (fp32, CPU), with its ``d2t`` int64 ``[D]`` (zeros when the file has none) and ``t2d`` (None when absent).
     ``ValueError`` if the folder is not such a head, or has its own ``embed_tokens`` or ``norm_before_residual``
     (not trained here)."""
-    from specdec.model.eagle3 import check_layout, iter_head_weights, read_head_tensors
+    from specdec.checkpoint.eagle3 import check_layout, iter_head_weights, read_head_tensors
 
     config = Eagle3Config.from_json(path)
     tensors = read_head_tensors(iter_head_weights(path))

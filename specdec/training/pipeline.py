@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from specdec.checkpoint.loader import read_checkpoint_tensor
 from specdec.model.eagle3 import Eagle3Config, default_aux_layers
-from specdec.model.loader import read_checkpoint_tensor
 from specdec.training import data, features, vocab
 from specdec.training.head import TrainHead
 from specdec.training.trainer import LoopConfig, latest_checkpoint, train_loop

@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.samples is not None:
+        from specdec.checkpoint.loader import resolve_model_path
         from specdec.model.config import ModelConfig
-        from specdec.model.loader import resolve_model_path
 
         answers = read_answers(args.samples)
         vocab_size = ModelConfig.from_json(resolve_model_path(args.target)).vocab_size

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specdec.model.eagle3 import Eagle3Config, check_layout
+from specdec.checkpoint.eagle3 import check_layout
+from specdec.model.eagle3 import Eagle3Config
 
 # rope and norm settings copied from the target's config.json (either dialect), so the head rotates as it does
 _COPIED_KEYS = ("rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings",

@@ -34,7 +34,7 @@ def test_footprint_runs_and_counts_the_weights_once(out_dir, tmp_path):
 
 def test_random_checkpoint_sharded_loads_the_same_tensors_as_unsharded(tmp_path):
     from bench.gpu_steps.models import write_random_llama
-    from specdec.model import loader
+    from specdec.checkpoint import loader
 
     shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=300,
                  tie_word_embeddings=False, device="cpu")

@@ -18,9 +18,9 @@ import torch
 from test_static_forward import BLOCK_SIZE, NUM_BLOCKS, K, uniform_batch
 from tiny_models import make_tiny_model
 
+from specdec.checkpoint.loader import load_model
 from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
-from specdec.model.loader import load_model
 from specdec.runner.cuda_graphs import StaticForwardRunner
 
 pytestmark = pytest.mark.gpu

@@ -17,10 +17,10 @@ from tiny_models import make_tiny_model
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import load_model
 from specdec.distributed.launcher import TensorParallelWorkers
 from specdec.distributed.worker import ModelSpec
 from specdec.model.config import ModelConfig
-from specdec.model.loader import load_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 import specdec
-from specdec.model import loader
+from specdec.checkpoint import loader
 from specdec.model.linear import prepack_linears, prepack_supported
 from tests.tiny_models import make_tiny_model
 
@@ -111,7 +111,7 @@ def test_the_census_rejects_a_kept_full_precision_copy(small_model, monkeypatch)
 PEAK_SCRIPT = textwrap.dedent("""
     import json, sys
     import torch
-    from specdec.model import loader
+    from specdec.checkpoint import loader
 
     def kib(field):
         for line in open("/proc/self/status"):

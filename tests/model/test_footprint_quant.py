@@ -6,7 +6,7 @@ fp32 rows beside its quantised copy is rejected."""
 import pytest
 
 import specdec
-from specdec.model.quant import load as quant_load
+from specdec.checkpoint import quant_load
 from specdec.model.quant.linear import QuantizedLinear
 from tests.model.test_footprint import live_tensor_bytes, make_small_model
 

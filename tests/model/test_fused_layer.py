@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from tiny_models import make_tiny_model
 
 from specdec import ops
+from specdec.checkpoint.loader import load_model
 from specdec.kernels import rms_norm, rope_kv, silu_mul
 from specdec.kernels.paged_attention_reference import paged_attention_reference
 from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
-from specdec.model.loader import load_model
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 16
 

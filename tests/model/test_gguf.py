@@ -20,8 +20,8 @@ import pytest
 import torch
 import transformers
 
-from specdec.model import gguf as gguf_convert
-from specdec.model.default_model import (
+from specdec.checkpoint import gguf as gguf_convert
+from specdec.checkpoint.default_model import (
     DEFAULT_MODEL_GGUF,
     DEFAULT_MODEL_SHA256,
     default_gguf_path,
@@ -29,7 +29,7 @@ from specdec.model.default_model import (
     ensure_converted,
     file_sha256,
 )
-from specdec.model.gguf import convert_gguf, load_gguf, read_conversion_record
+from specdec.checkpoint.gguf import convert_gguf, load_gguf, read_conversion_record
 
 TEXTS = [
     "Hello, world!",
@@ -445,7 +445,7 @@ def test_ensure_converted_verifies_sha256_once(tmp_path, monkeypatch):
     assert not (tmp_path / "bad").exists()
     out = ensure_converted(source, tmp_path / "good", digest)
     assert read_conversion_record(out)["source_sha256"] == digest
-    monkeypatch.setattr("specdec.model.default_model.file_sha256", pytest.fail)  # cached: never hashed again
+    monkeypatch.setattr("specdec.checkpoint.default_model.file_sha256", pytest.fail)  # cached: never hashed again
     assert ensure_converted(source, tmp_path / "good", digest) == out
     assert ensure_converted(source, tmp_path / "again", digest).is_dir()  # the marker remembers the hash
 

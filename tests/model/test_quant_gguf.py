@@ -13,14 +13,14 @@ gguf = pytest.importorskip("gguf")
 
 import test_gguf as tg  # noqa: E402  (tests/model is on sys.path: its helpers write tiny GGUF files)
 
+from specdec.checkpoint.gguf import convert_gguf  # noqa: E402
+from specdec.checkpoint.gguf_blocks import read_blocks  # noqa: E402
+from specdec.checkpoint.loader import iter_weight_entries, iter_weights  # noqa: E402
+from specdec.checkpoint.quant_load import load_quantized  # noqa: E402
 from specdec.model.config import ModelConfig  # noqa: E402
-from specdec.model.gguf import convert_gguf  # noqa: E402
 from specdec.model.llama import LlamaForCausalLM  # noqa: E402
-from specdec.model.loader import iter_weight_entries, iter_weights  # noqa: E402
 from specdec.model.quant.formats import dequantize  # noqa: E402
-from specdec.model.quant.gguf_blocks import read_blocks  # noqa: E402
 from specdec.model.quant.linear import QuantizedLinear  # noqa: E402
-from specdec.model.quant.load import load_quantized  # noqa: E402
 
 LINEAR_SUFFIXES = ("_proj.weight", "lm_head.weight")
 
@@ -121,7 +121,7 @@ def test_other_mappings_are_requantised(tmp_path, monkeypatch, qtype, scheme, gr
 
 
 def test_default_model_keeps_its_q4_1_linears():
-    from specdec.model.default_model import default_gguf_path, default_model_path
+    from specdec.checkpoint.default_model import default_gguf_path, default_model_path
 
     try:
         gguf_path = str(default_gguf_path())

@@ -1,6 +1,10 @@
 import sys, math; sys.path.insert(0,'tests'); sys.path.insert(0,'bench/experiments/adaptive_k_20261127')
-import test_adaptive_traces as T, adaptive_old
+import adaptive_old
+import test_adaptive_traces as T
+
 from specdec.spec_decode.adaptive import AdaptiveK
+
+
 class AgeOpt(AdaptiveK):
     def __init__(self, *a, age_w=None, **k):
         super().__init__(*a, **k)

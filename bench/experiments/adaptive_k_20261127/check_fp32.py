@@ -1,6 +1,9 @@
-import sys, time
+import sys
+import time
+
 import specdec
 from bench.common import chat_token_ids, load_prompts, resolve_model, set_threads
+
 set_threads(1)
 cls = sys.argv[1]; n = int(sys.argv[2])
 texts = {}

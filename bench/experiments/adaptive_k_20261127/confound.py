@@ -1,9 +1,14 @@
 """bf16: does each configuration tell a different story, and how hard is each story for the draft?"""
-import sys, json, torch
+import json
+import sys
+
+import torch
+
 import specdec
 from bench.common import chat_token_ids, load_prompts, resolve_model, set_threads
 from bench.speed.e2e import reuse_target_weights, share_draft_weights
 from specdec.training.features import target_features
+
 set_threads(1)
 cls, n = sys.argv[1], int(sys.argv[2])
 def mk(name):

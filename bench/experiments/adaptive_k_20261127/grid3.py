@@ -1,8 +1,12 @@
-import sys, json, io, contextlib
+import contextlib
+import io
+import json
+import sys
+
 sys.path.insert(0, "/tmp/exp")
 import sim
 from sim import *
-from variants_lib import Hyst, AgeOpt
+
 files = sys.argv[1].split(",")
 data = {}
 for f in files: data.update(json.load(open(f)))

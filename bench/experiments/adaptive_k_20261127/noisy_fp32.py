@@ -1,7 +1,12 @@
-import sys, json, statistics
+import json
+import statistics
+import sys
+
 sys.path.insert(0, "/tmp/exp")
-import sim, adaptive_old
+import adaptive_old
+import sim
 from variants_lib import MinRounds
+
 c = 0.33; v = [1.0, 1.072, 0.754, 0.775, 0.696]
 sim.COST.update({k: 100 * (k * c + v[k]) for k in range(5)}); sim.DRAFT_MS = 33
 m = json.load(open(sys.argv[1]))["match"]

@@ -1,7 +1,12 @@
-import json, sys, torch
+import json
+import sys
+
+import torch
+
 import specdec
 from bench.common import chat_token_ids, load_prompts, resolve_model, set_threads
 from specdec.training.features import target_features
+
 set_threads(1)
 cls, n = sys.argv[1], int(sys.argv[2])
 spec = specdec.SpeculativeConfig(method="draft_model", draft_model=resolve_model("qwen-0.5b"), num_speculative_tokens=4, adaptive=True)

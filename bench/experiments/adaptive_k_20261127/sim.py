@@ -1,7 +1,10 @@
-import json, sys
+import json
+import sys
 from collections import Counter
+
 sys.path.insert(0, "/work/main")
-from specdec.spec_decode.adaptive import AdaptiveK, Arm
+from specdec.spec_decode.adaptive import AdaptiveK
+
 COST = {0: 110, 1: 143, 2: 182, 3: 215, 4: 250}
 class Table:
     def draft_cost(self, b): return 0.0
@@ -55,7 +58,9 @@ if __name__ == "__main__":
     report(pols, verbose=True)
 
 import random
+
 from specdec.spec_decode.cost_model import MeasuredCostModel
+
 DRAFT_MS = 25
 class NoisyAdaptive(Adaptive):
     """The policy sees a MeasuredCostModel fed noisy timings of what it chose (lognormal sigma, rare outliers)."""

@@ -1,9 +1,14 @@
 """Does switching k cost? Fixed k=1, k=2 and a forced cycle 1,2 in lockstep; per-arm step CPU and yield."""
-import time, sys, collections, statistics
+import collections
+import statistics
+import sys
+import time
+
 import specdec
 from bench.common import chat_token_ids, load_prompts, resolve_model, set_threads
 from bench.speed.e2e import reuse_target_weights, share_draft_weights
 from specdec.spec_decode import adaptive as A
+
 set_threads(1)
 class Cycle(A.AdaptiveK):
     seq = (1, 2)
@@ -13,6 +18,7 @@ class Cycle(A.AdaptiveK):
         super().choose_arm(seq_id, batch_size, k_cap, trees); self.n += 1
         return A.Arm(self.seq[self.n % len(self.seq)])
 import json
+
 variants = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {"cycle12": {"cls": "cycle"}}
 def mk(name):
     ad = name in variants

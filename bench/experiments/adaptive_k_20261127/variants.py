@@ -1,10 +1,13 @@
 """Adaptive variants vs fixed k, shared process, interleaved (experiment)."""
-import sys, json
+import json
+import sys
 from types import SimpleNamespace
-import specdec
-from bench.speed import adaptive_k as AK
+
 from bench.common import set_threads
+from bench.speed import adaptive_k as AK
 from specdec.spec_decode.adaptive import AdaptiveK, Arm
+
+
 class Cycle23(AdaptiveK):
     n = 0
     def choose_arm(self, seq_id, batch_size, k_cap, trees=True):
@@ -27,6 +30,7 @@ reps = int(sys.argv[3]); classes = sys.argv[4] if len(sys.argv) > 4 else "code,j
 dtype = sys.argv[5] if len(sys.argv) > 5 else "bfloat16"
 quant = dict(quantization="int8", draft_quantization="int4") if dtype == "bfloat16" else dict(quantization=None, draft_quantization=None)
 import os
+
 args = SimpleNamespace(target=os.environ.get("TARGET", "qwen-1.5b"), draft=os.environ.get("DRAFT", "qwen-0.5b"), method=os.environ.get("METHOD", "draft_model"), k=4, prompts=classes,
                        prompts_per_class=1, max_tokens=int(sys.argv[6]) if len(sys.argv) > 6 else 64, reps=reps, dtype=dtype, max_model_len=2048,
                        num_kv_blocks=256, prompt_lookup_min=2, **quant)
@@ -54,15 +58,14 @@ orig_reset = AK.reset_cold
 AK.reset_cold = lambda llm: llm.engine.speculative.reset_adaptive()
 # measure_shared resets only engines named exactly "adaptive": patch the loop's check by naming
 names = fixed + list(variants)
-import bench.speed.adaptive_k
 src_names = names
 runs = AK.measure_shared(args, names)
 summ = AK.summarize({cls: {n: r for n, r in by.items()} for cls, by in runs.items()})
 for cls, by in runs.items():
     rates = {n: sum(len(t) for t in r[0]["tokens"]) / sorted(x["cpu_seconds"] for x in r)[len(r) // 2] for n, r in by.items()}
     best = max((n for n in rates if not n.startswith("adaptive")), key=rates.get)
-    from collections import Counter
     import statistics
+    from collections import Counter
     paired = {n: statistics.median(sum(len(t) for t in by[n][i]["tokens"]) / by[n][i]["cpu_seconds"] / (sum(len(t) for t in by[best][i]["tokens"]) / by[best][i]["cpu_seconds"]) for i in range(len(by[n]))) for n in names}
     print(cls, "paired", " ".join(f"{n}={paired[n]:.3f}" for n in names))
     print(cls, "best", best, f"{rates[best]:.2f}", " ".join(f"{n}={rates[n]:.2f}({rates[n]/rates[best]:.3f})" for n in names))

@@ -1,4 +1,6 @@
-from specdec.spec_decode.adaptive import AdaptiveK, Arm, PLAIN
+from specdec.spec_decode.adaptive import AdaptiveK
+
+
 class Hyst(AdaptiveK):
     """Stay on the current arm unless another is valued (1 + h) times more."""
     def __init__(self, *a, hyst=0.05, **k):

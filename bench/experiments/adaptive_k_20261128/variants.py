@@ -11,8 +11,8 @@ import sys
 from collections import Counter
 from types import SimpleNamespace
 
-from bench.speed import adaptive_k as AK
 from bench.common import set_threads
+from bench.speed import adaptive_k as AK
 from specdec.spec_decode.adaptive import AdaptiveK
 
 set_threads(1)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.model.loader import cache_root
+from specdec.paths import cache_root
 
 logger = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
@@ -65,7 +65,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    out_dir = Path(cache_root()) / "native" / tag
+    out_dir = cache_root() / "native" / tag
     lib_path = out_dir / "libspecdec_native.so"
     if not lib_path.exists():
         out_dir.mkdir(parents=True, exist_ok=True)

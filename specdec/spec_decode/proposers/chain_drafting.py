@@ -84,7 +84,7 @@ def draft_chains(drafter: ModelDrafter, seqs: list[RequestView], num_tokens: lis
 def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, drafts: list[list[int]] | None,
                       bad_rows: list[torch.Tensor], noise_per_round: bool, vocab: DraftVocab | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draw the next draft token of each row from q, the standardized draft distribution (same transform and the
+    """Draw the next draft token of each row from q, the draft distribution (``to_probs``) (same transform and the
     same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts so far
     on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into ``bad_rows``, not
     raised, so that the check costs no host read here. ``noise_per_round``: see ``DraftModelProposer``.

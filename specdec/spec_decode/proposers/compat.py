@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.model.config import ModelConfig
-from specdec.model.tokenizer import Tokenizer
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 def check_draft_compatible(

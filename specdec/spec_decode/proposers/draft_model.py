@@ -29,19 +29,18 @@ import torch
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.device import to_device
-from specdec.kernels.philox import STREAM_DRAFT, round_stream
+from specdec.kernels.philox import STREAM_DRAFT
 from specdec.model.config import ModelConfig
 from specdec.model.llama import LlamaForCausalLM
 from specdec.runner.cuda_graphs import DEFAULT_BATCH_BUCKETS, reserve_scratch_block
 from specdec.runner.draft_loop import DraftLoopRunner, LoopOutput
-from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.runner.model_runner import ForwardItem, ModelRunner
 from specdec.sampling.metadata import SamplingMetadata
-from specdec.sampling.sampler import sample_rows
+from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.chain_drafting import draft_chains, sample_draft_step
+from specdec.spec_decode.proposers.draft_vocab import DraftVocab
 from specdec.spec_decode.proposers.tree_drafting import TreeShape, propose_tree
-from specdec.spec_decode.proposers.draft_vocab import DraftVocab, q_over_target
 from specdec.spec_decode.request import RequestView
 
 logger = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ from specdec.cache.block_manager import BlockManager
 from specdec.cache.kv_pool import KVPool
 from specdec.device import to_device
 from specdec.model.eagle3 import Eagle3Head
-from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.runner.model_runner import ForwardItem, ModelRunner
+from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.chain_drafting import draft_chains, sample_draft_step
 from specdec.spec_decode.proposers.tree_drafting import TreeShape, propose_tree
@@ -50,7 +50,7 @@ class Eagle3Proposer:
     the target's hidden states (``aux_hidden_layers``: which ones; ``take_hidden_states``: the hand-over).
 
     Args:
-        head: the loaded head (``specdec.model.eagle3.load_eagle3_head``), on ``device``.
+        head: the loaded head (``specdec.checkpoint.eagle3.load_eagle3_head``), on ``device``.
         aux_layers: the target layers whose hidden states it is fed (``Eagle3Config.aux_layers``).
         num_blocks, block_size, dtype: its KV pool (the same block count and size as the target's).
         max_positions: the highest position it may write + 1.
@@ -133,7 +133,8 @@ class Eagle3Proposer:
 
     # --- drafting -------------------------------------------------------------------------------------------
     def propose(self, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
-        """Draft ``num_tokens[i]`` tokens for ``seqs[i]`` (``chain_drafting.draft_chains``, with this head's forwards)."""
+        """Draft ``num_tokens[i]`` tokens for ``seqs[i]`` (``chain_drafting.draft_chains``, with this head's
+        forwards)."""
         return draft_chains(self, seqs, [k if self._can_draft(s) else 0 for s, k in zip(seqs, num_tokens)])
 
     def propose_tree(self, seqs: list[RequestView], max_depths: list[int], max_nodes: list[int]) -> DraftProposal:

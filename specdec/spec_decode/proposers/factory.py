@@ -7,25 +7,26 @@ from collections.abc import Callable
 
 from torch import nn
 
+from specdec.checkpoint.eagle3 import load_eagle3_head
+from specdec.checkpoint.loader import load_model, read_checkpoint_tensor, resolve_model_path
 from specdec.config import EngineConfig, SpeculativeConfig, draft_model_dtype, eos_ids, gguf_source_of
 from specdec.distributed.layers import VocabParallelEmbedding
 from specdec.model.config import ModelConfig, resolve_dtype
-from specdec.model.eagle3 import Eagle3Config, load_eagle3_head
+from specdec.model.eagle3 import Eagle3Config
 from specdec.model.linear import prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
-from specdec.model.loader import load_model, read_checkpoint_tensor, resolve_model_path
 from specdec.model.subset_head import restrict_lm_head
-from specdec.model.tokenizer import Tokenizer
 from specdec.spec_decode.forward_timer import ForwardTimer
 from specdec.spec_decode.proposers.base import ModelFreeProposer, Proposer
 from specdec.spec_decode.proposers.combined import CombinedProposer
 from specdec.spec_decode.proposers.compat import check_draft_compatible
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer
-from specdec.spec_decode.proposers.tree_drafting import TreeShape
 from specdec.spec_decode.proposers.draft_vocab import DraftVocab, read_draft_vocab
 from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
 from specdec.spec_decode.proposers.ngram_table import NgramTableProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
+from specdec.spec_decode.proposers.tree_drafting import TreeShape
+from specdec.tokenizer.tokenizer import Tokenizer
 
 
 def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tokenizer | None,

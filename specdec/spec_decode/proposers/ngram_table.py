@@ -1,4 +1,5 @@
-"""The n-gram table drafter, method "ngram_table" (akunu's predictor; vLLM's "ngram" is our "prompt_lookup"): frequency tables of orders 2..4 over a sliding window, chained predictions.
+"""The n-gram table drafter, method "ngram_table" (akunu's predictor; vLLM's "ngram" is our "prompt_lookup"):
+frequency tables of orders 2..4 over a sliding window, chained predictions.
 
 Per request, tables map a context of ``order - 1`` tokens to continuation counts. Prediction tries the longest
 context first and takes its most frequent continuation (ties: the most recently seen wins), appends it to the

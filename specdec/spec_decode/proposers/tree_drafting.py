@@ -18,8 +18,9 @@ fed to the draft (except at the last depth), each attending the context and its 
 holds the tree's nodes level by level after the root, and the tree mask spans those ``w`` positions.
 
 After verification the commit moves the accepted path's K/V in the draft pool too, as in the target's
-(``Proposer.move_accepted_path``): the drafter records where each fed node sits (``DraftModelProposer.tree_positions``), the path's fed prefix moves to
-``ctx + 1 ..`` and the draft's valid length grows by it; only the path's last node (never fed when it is a
+(``Proposer.move_accepted_path``): the drafter records where each fed node sits
+(``DraftModelProposer.tree_positions``), the path's fed prefix moves to ``ctx + 1 ..`` and the draft's valid length
+grows by it; only the path's last node (never fed when it is a
 leaf at the depth cap) and the bonus token are left to the next catch-up forward.
 """
 
@@ -34,7 +35,7 @@ from specdec.device import to_device
 from specdec.kernels.philox import STREAM_DRAFT, row_exponentials
 from specdec.runner.model_runner import ForwardItem
 from specdec.sampling.penalties import penalty_rows
-from specdec.sampling.standardize import SamplingTensors, apply_penalty_rows, standardize_unchecked
+from specdec.sampling.probs import SamplingTensors, apply_penalty_rows, to_probs_unchecked
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.draft_vocab import q_over_target
 from specdec.spec_decode.proposers.model_drafter import ModelDrafter
@@ -74,8 +75,8 @@ class _Growing:
         return out[::-1]
 
 
-def propose_tree(drafter: ModelDrafter, seqs: list[RequestView], depth_caps: list[int], budgets: list[int], shape: TreeShape
-                 ) -> DraftProposal:
+def propose_tree(drafter: ModelDrafter, seqs: list[RequestView], depth_caps: list[int], budgets: list[int],
+                 shape: TreeShape) -> DraftProposal:
     """A tree per request: depth <= ``depth_caps[i]``, at most ``budgets[i]`` drafted nodes.
 
     ``drafter``: a model drafter (:class:`~specdec.spec_decode.proposers.model_drafter.ModelDrafter`; its tree
@@ -107,8 +108,8 @@ def propose_tree(drafter: ModelDrafter, seqs: list[RequestView], depth_caps: lis
     return _proposal(drafter, seqs, grows)
 
 
-def _expand_level(drafter: ModelDrafter, active: list[_Growing], frontier: dict[int, list[int]], depth: int, shape: TreeShape
-                  ) -> dict[int, list[int]]:
+def _expand_level(drafter: ModelDrafter, active: list[_Growing], frontier: dict[int, list[int]], depth: int,
+                  shape: TreeShape) -> dict[int, list[int]]:
     """Decide each frontier node's number of children (before drawing any), then draw them for every request
     at once (one host read); the new nodes per request (their tokens target ids: a reduced draft vocabulary's
     columns mapped back, ``drafter.draft_vocab``)."""
@@ -200,7 +201,7 @@ def _store_q(drafter: ModelDrafter, logits: torch.Tensor, rows: list[tuple[_Grow
         if drafter.draft_vocab is not None:  # target ids -> the reduced vocabulary's columns
             contexts = [drafter.draft_vocab.context(c) for c in contexts]
         logits = apply_penalty_rows(logits, penalty_rows(contexts, logits.shape[-1], logits.device), st)
-    probs, bad = standardize_unchecked(logits, st)  # greedy rows: q at temperature 1 (its order is the argmax's)
+    probs, bad = to_probs_unchecked(logits, st)  # greedy rows: q at temperature 1 (its order is the argmax's)
     # the dynamic policy ranks candidates by q's largest probabilities; a static shape needs none
     width = min(8, probs.shape[-1]) if shape.branching is None else 0
     top = torch.topk(probs, width, dim=-1).values  # (R, width)

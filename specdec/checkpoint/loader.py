@@ -10,12 +10,13 @@ from collections.abc import Iterator
 import torch
 from tqdm.auto import tqdm
 
+from specdec.checkpoint.safetensors_reader import TensorEntry, read_header
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.sharding import check_quantized_tensor_parallel
 from specdec.model.config import ModelConfig
 from specdec.model.linear import check_prepack_option, prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
-from specdec.model.safetensors_reader import TensorEntry, read_header
+from specdec.paths import cache_root
 
 HUB_FILES = [
     "config.json",
@@ -25,11 +26,6 @@ HUB_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
 ]
-
-
-def cache_root() -> str:
-    """Where converted models live: ``$SPECDEC_CACHE`` or ``~/.cache/specdec``."""
-    return os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
 
 
 def resolve_model_path(model: str) -> str:
@@ -50,12 +46,12 @@ def resolve_model_path(model: str) -> str:
 
 
 def _converted_gguf_dir(path: str) -> str:
-    from specdec.model.gguf import convert_gguf
+    from specdec.checkpoint.gguf import convert_gguf
 
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     name = os.path.basename(path).removesuffix(".gguf")
-    out_dir = os.path.join(cache_root(), "converted", f"{name}-{key}")
+    out_dir = str(cache_root() / "converted" / f"{name}-{key}")
     if not os.path.isfile(os.path.join(out_dir, "config.json")):
         convert_gguf(path, out_dir)
     return out_dir
@@ -128,13 +124,13 @@ def load_model(
     """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed).
 
     The parameters are allocated once, in ``dtype`` on ``device``, and every tensor is read from its file
-    straight into them (``specdec/model/safetensors_reader.py``): no full-precision copy of the model and no
+    straight into them (``specdec/checkpoint/safetensors_reader.py``): no full-precision copy of the model and no
     mapped file is ever held, so loading peaks at the model's running size plus one read chunk.
     ``prepack_weights``: replace every linear weight by its oneDNN-prepacked copy (``specdec/model/linear.py``).
     None = where supported (CPU, float32, or bfloat16 with native bf16); True = always (``ValueError`` where
     unsupported); False = never (plain weights and ``F.linear``).
     ``quantization``: None, "int8" or "int4" - every linear but a tied LM head quantised while loading
-    (specdec/model/quant/load.py), group ``quantization_group_size``; ``quantize_lm_head``: None as just said,
+    (specdec/checkpoint/quant_load.py), group ``quantization_group_size``; ``quantize_lm_head``: None as just said,
     True also a tied head (its own quantised copy), False never the head; ``gguf_path``: the GGUF the folder was
     converted from, whose Q4_0 / Q4_1 / Q8_0 blocks are kept where they map exactly. ``shared_embedding``: use
     this embedding tensor (a self draft shares the target's) instead of reading one. ``group``: load rank
@@ -153,7 +149,7 @@ def load_model(
         model = LlamaForCausalLM(config, max_positions=max_positions, group=group)
     model = model.to(dtype)  # meta -> meta in dtype (free)
     if quantization is not None or shared_embedding is not None:
-        from specdec.model.quant.load import load_quantized
+        from specdec.checkpoint.quant_load import load_quantized
 
         load_quantized(model, iter_weight_entries(path), quantization, quantization_group_size, torch.device(device),
                        dtype, gguf_path=gguf_path, shared_embedding=shared_embedding,

@@ -28,11 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specdec.checkpoint.gguf_blocks import BLOCK, kept_scheme, read_blocks, unpermute_rows
+from specdec.checkpoint.safetensors_reader import TensorEntry, TensorSlice
 from specdec.model.linear import Linear
 from specdec.model.quant.formats import dequantize, quantize_int4, quantize_int8
-from specdec.model.quant.gguf_blocks import BLOCK, kept_scheme, read_blocks, unpermute_rows
 from specdec.model.quant.linear import DEFAULT_GROUP_SIZE, QuantizedLinear
-from specdec.model.safetensors_reader import TensorEntry, TensorSlice
 
 
 class _Pending(nn.Module):
@@ -265,7 +265,7 @@ class _GGUFKept:
     """The GGUF tensors that map exactly onto the scheme asked for (see gguf_blocks.py), by HF name."""
 
     def __init__(self, path: str, config, quantization: str, group_size: int):
-        from specdec.model.gguf import _hf_name, open_gguf
+        from specdec.checkpoint.gguf import _hf_name, open_gguf
 
         self.tensors = {}
         if group_size == 32:  # GGUF's blocks are 32 wide: another group size needs requantising

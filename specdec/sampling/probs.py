@@ -1,4 +1,5 @@
-"""Standardization: the one function that turns logits into the distribution a token is drawn from.
+"""Logits to probabilities: the one function (``to_probs``) that turns logits into the distribution a token is drawn
+from.
 
 Used for the target's p and the draft's q alike (losslessness needs the same transform on both), in the
 order of the contract: penalties -> temperature -> softmax -> top-k -> renormalise -> top-p -> renormalise
@@ -101,20 +102,20 @@ def apply_penalty_rows(logits: torch.Tensor, pr: PenaltyRows, st: SamplingTensor
     return out
 
 
-def standardize(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """fp32 probabilities ``[R, V]`` from penalised logits; raises ``FloatingPointError`` on NaN/inf rows.
 
     Rows with temperature 0 are returned as computed at temperature 1 (callers take argmax for those).
     """
-    probs, bad_row = standardize_unchecked(logits, st)
+    probs, bad_row = to_probs_unchecked(logits, st)
     if bool(bad_row.any()):
         rows = bad_row.nonzero().flatten().tolist()
         raise FloatingPointError(f"non-finite logits (NaN or inf) in rows {rows}; refusing to sample from them")
     return probs
 
 
-def standardize_unchecked(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs fp32 ``[R, V]``, bad_row bool ``[R]``): :func:`standardize` without the host read of its NaN/inf
+def to_probs_unchecked(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probs fp32 ``[R, V]``, bad_row bool ``[R]``): :func:`to_probs` without the host read of its NaN/inf
     check - the caller checks ``bad_row`` (rows flagged there hold garbage)."""
     probs, bad_row = ops.softmax_with_temperature(logits, st.temperature)
     if st.any_filter:
