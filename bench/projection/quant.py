@@ -7,8 +7,8 @@ speculative speedup the same roofline predicts at a few acceptance rates.
 **A bound, not a measurement.** At batch 1 a decode forward reads every weight once, so tokens/s <= bandwidth /
 bytes per forward; kernel launches, host work, attention and the KV cache are left out, and the quantised kernel
 is assumed to stream its weights at the same bandwidth as bf16 - which specdec's Triton kernel has **not** been
-shown to do (the third GPU run, bench/results/gpu_h200_20261126_run3/README.md: the first version ran at 2-7% of cuBLAS bf16; the redesigned one
-is unmeasured). The default bandwidth is the H100 SXM's nominal 3.35 TB/s.
+shown to do (the third GPU run, bench/results/gpu_h200_20261126_run3/README.md: the first version ran at 2-7%
+of cuBLAS bf16; the redesigned one is unmeasured). The default bandwidth is the H100 SXM's nominal 3.35 TB/s.
 
 Bytes per weight in specdec's formats (``specdec/model/quant/formats.py``, as the CUDA path holds them): bf16 2;
 int8 per output channel 1 + 4 / K (an fp32 scale per row); int4 group 32 0.5 + 8 / 32 (fp32 scale and offset per
