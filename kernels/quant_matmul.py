@@ -30,8 +30,9 @@ one rounding of the output dtype for bf16 / fp16).
 NOTE: no autotuning (STYLE.md 8): fixed tiles chosen by shape in ``quant_matmul_config``, checked for spills and
 shared memory by tests/kernels/test_gpu_compile_quant_matmul.py. Measured on a GPU (H200, the third GPU run:
 bench/results/gpu_h200_20261126_run3/README.md): only the previous design (one program per 16 x 64 outputs
-walking all of K with fp32 dequantisation and ``ieee`` dots: correct, 2-7% of bf16 cuBLAS's speed). This redesign has NOT been run on a GPU yet: interpreter tests
-and sm_80 / sm_90 compile checks only; its speed is unmeasured.
+walking all of K with fp32 dequantisation and ``ieee`` dots: correct, 2-7% of bf16 cuBLAS's speed). This
+redesign has NOT been run on a GPU yet: interpreter tests and sm_80 / sm_90 compile checks only; its speed is
+unmeasured.
 """
 
 from __future__ import annotations
