@@ -56,6 +56,9 @@ residual masses r_i are sums over the vocabulary whose order differs (per-lane p
 in the kernel, torch's order in the reference), so a stop decision can flip only when ``eta * (r + 1 - w)`` lies
 within an ulp or so of ``r`` (probability ~1e-7 per decision), on top of spec_sample's ``-log`` ulp note. On a
 GPU the compiler may also contract ``w * p - q`` into an FMA.
+
+Over 300 lines because the Triton kernel, its launcher and its torch reference (the CPU path and the test oracle)
+stay side by side, as every kernel's do.
 """
 
 from __future__ import annotations

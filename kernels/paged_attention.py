@@ -17,6 +17,9 @@ the launcher sets to ``"ieee"`` for fp32 operands; Triton's default on a GPU is 
 mantissa, ~1e-3 relative error). IEEE fp32 dots run on the FMA units, not tensor cores, so an fp32 launch is
 slower than a half-precision one; fp32 is the exactness path (tests, debugging), not the fast one. fp16/bf16
 dots are unchanged (``DOT_PRECISION=None``: tensor cores, fp32 accumulation).
+
+Over 300 lines because the decode, prefill and tree-mask variants share one launcher and one block-table layout, and
+their torch reference (the CPU path and the test oracle) stays beside them.
 """
 
 import functools

@@ -36,6 +36,9 @@ replacement (the top-c of ``q / E``, Gumbel-top-c), and the verification kernels
 disagreed with its reference inside a chunk; docs/kernels.md). :func:`sample_argmax` (``argmax(p / E)`` per row
 without materialising ``[R, V]`` noise on the CPU) is the exponential race the sampler used before the inverse
 CDF; nothing on the decoding path calls it now (``bench.costs.philox_cpu`` times it).
+
+Over 300 lines because the counter-based generator's Triton and torch forms must stay bit-identical, so they are
+kept side by side.
 """
 
 import sys

@@ -33,6 +33,9 @@ bench/results/gpu_h200_20261126_run3/README.md): only the previous design (one p
 walking all of K with fp32 dequantisation and ``ieee`` dots: correct, 2-7% of bf16 cuBLAS's speed). This
 redesign has NOT been run on a GPU yet: interpreter tests and sm_80 / sm_90 compile checks only; its speed is
 unmeasured.
+
+Over 300 lines because the Triton kernel, its launcher and its torch reference (the CPU path and the test oracle)
+stay side by side, as every kernel's do.
 """
 
 from __future__ import annotations

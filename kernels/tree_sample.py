@@ -56,6 +56,9 @@ GPU. What may differ by an ulp: ``-log(u)`` (``torch.log`` vs ``tl.log``, as in 
 later sibling - so the two agree token for token in practice. Later siblings need q_k(x_k) > 0: a drafter must not
 branch into tokens outside the draft's remaining support (such a child is accepted iff p_k(x_k) > 0, as spec_sample
 treats q(x) = 0). Z_k / M_k is capped at 1e30 (a remaining draft mass below 1e-30 of the residual) so A stays finite.
+
+Over 300 lines because the Triton kernel, its launcher and its torch reference (the CPU path and the test oracle)
+stay side by side, as every kernel's do.
 """
 
 from __future__ import annotations
