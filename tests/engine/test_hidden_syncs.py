@@ -1,8 +1,8 @@
 """No hidden host syncs on the step path, checked on CPU.
 
 On CUDA a step must not make the host wait for the device except at its one host read (``StepOutput.read``). Three
-constructs wait without looking like a read, and ``tests/test_host_syncs.py`` (which counts ``.item()`` / ``.tolist()``)
-cannot see them:
+constructs wait without looking like a read, and ``tests/engine/test_host_syncs.py`` (which counts ``.item()`` /
+``.tolist()``) cannot see them:
 
 - indexing a tensor with a Python list or a numpy array (``logits[rows]``, ``x[rows] = v``): the index is copied
   host-to-device through pageable memory first, a blocking copy;

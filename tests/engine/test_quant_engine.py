@@ -1,7 +1,7 @@
 """Quantised targets and drafts through the engine: loading quantises exactly what ``quantize_linears`` does,
 greedy speculative output equals greedy plain output of the same (quantised) target, a ``draft_model="self"``
 draft shares the target's embedding tensor, and bad settings are refused with a clear ValueError.
-(The sampling oracle with a quantised target and draft is tests/test_quant_lossless.py.)
+(The sampling oracle with a quantised target and draft is tests/lossless/test_quant_lossless.py.)
 
 NOTE: the greedy-parity tests prove the engine's bookkeeping with quantised models, deterministically on these tiny
 models; on real models a quantised target's greedy tokens can differ between plain and speculative decoding on CPU

@@ -3,7 +3,8 @@ subset S of target ids; drafts stay in S, q is exactly 0 outside it, the target 
 == plain greedy, chains and trees), penalties see the right ids, the head is cut (not kept whole), the builder
 writes a ranked file, and bad files / options fail with a specific message.
 
-The exact-distribution (T > 0) check against the float64 oracle is tests/test_reduced_draft_vocab_lossless.py."""
+The exact-distribution (T > 0) check against the float64 oracle is
+tests/lossless/test_reduced_draft_vocab_lossless.py."""
 
 import json
 from dataclasses import dataclass
@@ -119,8 +120,8 @@ def test_greedy_equals_plain_for_combined_and_self_drafts(dirs, reference, subse
 
 
 def test_a_smaller_draft_vocabulary_and_a_subset_of_it(dirs, tmp_path, monkeypatch):
-    """A draft of 280 ids (the suffix cut of tests/test_draft_vocab.py) with a subset of those: ids >= 280 are fed
-    to it as the stand-in, ids outside the subset never drafted, and a subset id the draft lacks is refused."""
+    """A draft of 280 ids (the suffix cut of tests/engine/test_draft_vocab.py) with a subset of those: ids >= 280 are
+    fed to it as the stand-in, ids outside the subset never drafted, and a subset id the draft lacks is refused."""
     small = str(tmp_path / "small")
     make_tiny_model(small, "llama", seed=23, vocab_size=280, lm_head_std=0.3)
     path = tmp_path / "v.json"

@@ -1,24 +1,12 @@
 """``SpeculativeConfig(verify="block")`` through the real engine: lossless sampling against the exact oracle of
-test_spec_lossless.py (same tiny V = 4 target and draft, same chi-square and bound), a planted mutant it rejects,
+tests/oracle.py (same tiny V = 4 target and draft, same chi-square and bound), a planted mutant it rejects,
 greedy parity with target-only decoding, seeded reproducibility, and the configuration / CLI surface."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_lossless import (
-    CONFIGS,
-    N_MUTANT,
-    PROMPT,
-    N,
-    check,
-    exact_joint,
-    lossless_llm,
-    memoised,
-    model_dirs,  # noqa: F401 - the module's fixture, shared
-    run,
-    target_prefix_logits,
-)
+from oracle import CONFIGS, N_MUTANT, PROMPT, N, check, exact_joint, lossless_llm, memoised, run, target_prefix_logits
 from tiny_models import make_tiny_model
 
 import specdec
@@ -32,12 +20,12 @@ MAX_M = max(k for _, k in CASES) + 2
 
 
 @pytest.fixture(scope="module")
-def prefix_logits(model_dirs):  # noqa: F811
+def prefix_logits(model_dirs):
     return target_prefix_logits(model_dirs[0], PROMPT, MAX_M)
 
 
 @pytest.fixture(scope="module")
-def make_llm(model_dirs):  # noqa: F811
+def make_llm(model_dirs):
     """``make_llm(k)``: the speculative LLM with block verification and k drafts per round."""
     target, draft = model_dirs
     return memoised(lambda k: lossless_llm(target, SpeculativeConfig(draft_model=draft, num_speculative_tokens=k,
@@ -84,7 +72,7 @@ def test_per_token_mutant_is_rejected_by_the_engine_test(make_llm, prefix_logits
     assert stat > bound, f"{label} was not detected (chi-square {stat:.1f} <= {bound:.1f})"
 
 
-def test_draft_noise_is_keyed_by_round_only_under_block(model_dirs):  # noqa: F811
+def test_draft_noise_is_keyed_by_round_only_under_block(model_dirs):
     target, draft = model_dirs
     for verify, per_round in (("block", True), ("token", False)):
         llm = specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, kv_cache_memory_gb=0.02,

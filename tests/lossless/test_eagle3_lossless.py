@@ -1,6 +1,6 @@
 """End-to-end proof that speculative sampling with an EAGLE-3 head is lossless: the real engine (the target's hidden
 states captured and handed to the head, the head's paged cache, chains and trees, q over the draft vocabulary mapped
-back to the target's through d2t) against the exact oracle of ``test_spec_lossless.py`` (the same vocabulary-4
+back to the target's through d2t) against the exact oracle of ``tests/oracle.py`` (the same vocabulary-4
 target, float64 oracle and pooled chi-square at alpha 1e-6).
 
 The head's draft vocabulary is 3 of the target's 4 ids ({0, 2, 3}: d2t = [0, 1, 1]), so q is zero on target id 1:
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_lossless import CONFIGS, PROMPT, N, check, exact_joint, model_dirs, run, target_prefix_logits  # noqa: F401
+from oracle import CONFIGS, PROMPT, N, check, exact_joint, run, target_prefix_logits
 from tiny_models import make_tiny_eagle3_head
 
 import specdec
@@ -36,7 +36,7 @@ MAX_M = max(case[3] for case in CASES) + 2
 
 
 @pytest.fixture(scope="module")
-def head_dir(model_dirs, tmp_path_factory):  # noqa: F811
+def head_dir(model_dirs, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("lossless_head"))
     # the one-layer target: the embeddings, and its layer's output twice (ids 0..1 are all it has)
     make_tiny_eagle3_head(path, model_dirs[0], seed=9, draft_ids=DRAFT_IDS, aux_layer_ids=[0, 1, 1],
@@ -45,7 +45,7 @@ def head_dir(model_dirs, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def eagle_prefix_logits(model_dirs):  # noqa: F811
+def eagle_prefix_logits(model_dirs):
     return target_prefix_logits(model_dirs[0], PROMPT, MAX_M)
 
 
@@ -58,7 +58,7 @@ def eagle_llm(target, head, tree, depth, verify="token"):
 
 
 @pytest.mark.parametrize("name,case,tree,depth,verify", CASES, ids=[c[0] for c in CASES])
-def test_eagle3_sampling_matches_exact_joint(model_dirs, head_dir, eagle_prefix_logits, name, case, tree, depth,  # noqa: F811
+def test_eagle3_sampling_matches_exact_joint(model_dirs, head_dir, eagle_prefix_logits, name, case, tree, depth,
                                              verify):
     cfg, m = CONFIGS[case], depth + 2
     llm = eagle_llm(model_dirs[0], head_dir, tree, depth, verify)
@@ -75,7 +75,7 @@ def test_eagle3_sampling_matches_exact_joint(model_dirs, head_dir, eagle_prefix_
     assert 1 in counts.nonzero()[:, 1:].flatten().tolist()  # the target emitted the id the head cannot draft
 
 
-def test_biased_drafts_are_rejected(model_dirs, head_dir, eagle_prefix_logits, monkeypatch):  # noqa: F811
+def test_biased_drafts_are_rejected(model_dirs, head_dir, eagle_prefix_logits, monkeypatch):
     """Mutant: drafts drawn from the head's logits + 4 on target id 0, verification told the unbiased q."""
     real = draft_model_module.sample_rows
 

@@ -6,7 +6,7 @@ Oracle: transformers' LlamaForCausalLM with each ``nn.Linear`` replaced by a ``Q
 the same weights and prepared the same way - per-channel / per-group quantisation and per-row activation
 quantisation act on each output row and each input row alone, so q, k and v quantised apart equal our fused
 qkv_proj quantised whole. Everything else (attention, norms, the exact joint, the chi-square bound) is that of
-tests/test_spec_lossless.py.
+tests/oracle.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import itertools
 
 import pytest
 import torch
-from test_spec_lossless import CONFIGS, PROMPT, VOCAB, check, exact_joint, lossless_llm, make_lossless_pair, run
+from oracle import CONFIGS, PROMPT, VOCAB, check, exact_joint, lossless_llm, make_lossless_pair, run
 
 import specdec
 from specdec.model.quant.linear import QuantizedLinear
@@ -75,7 +75,7 @@ def test_quantised_target_and_draft_are_lossless(model_dirs, draft):
 def test_a_quantised_target_is_a_different_target(model_dirs):
     """The joint the test above checks against is not the fp32 target's: quantisation moves it (by more than the
     chi-square test at N=3000 resolves on this tiny model, so the check is on the exact joints themselves)."""
-    from test_spec_lossless import target_prefix_logits
+    from oracle import target_prefix_logits
 
     target, _ = model_dirs
     cfg, m = CONFIGS["top_k_top_p"], K + 2

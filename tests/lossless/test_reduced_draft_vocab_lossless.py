@@ -1,6 +1,6 @@
 """End-to-end proof that a reduced draft vocabulary keeps speculative SAMPLING lossless: the real engine with a draft
 whose LM head covers 3 of the 4 target ids (``SpeculativeConfig(draft_vocab=)``) against the exact float64 oracle of
-``test_spec_lossless.py`` (same tiny models, same pooled chi-square at 1e-6, deterministic per seed).
+``tests/oracle.py`` (same tiny models, same pooled chi-square at 1e-6, deterministic per seed).
 
 The id left out (1) is in the prompt, so the penalty case maps a context holding an id the draft has no logit for;
 the target must still emit it, through the residual or the bonus token, at its exact probability. Chains and a
@@ -17,18 +17,7 @@ import json
 
 import pytest
 import torch
-from test_spec_lossless import (  # noqa: F401 - model_dirs is a fixture
-    CONFIGS,
-    N_MUTANT,
-    PROMPT,
-    VOCAB,
-    N,
-    check,
-    exact_joint,
-    model_dirs,
-    run,
-    target_prefix_logits,
-)
+from oracle import CONFIGS, N_MUTANT, PROMPT, VOCAB, N, check, exact_joint, run, target_prefix_logits
 
 import specdec
 from specdec.spec_decode.proposers import draft_model as draft_model_module
@@ -47,7 +36,7 @@ MAX_M = max(k for *_, k in CASES) + 2
 
 
 @pytest.fixture(scope="module")
-def prefix_logits(model_dirs):  # noqa: F811
+def prefix_logits(model_dirs):
     return target_prefix_logits(model_dirs[0], PROMPT, MAX_M)
 
 
@@ -58,7 +47,7 @@ def subset_file(tmp_path_factory) -> str:
     return str(path)
 
 
-def reduced_llm(model_dirs, subset_file: str, tree, k: int) -> specdec.LLM:  # noqa: F811
+def reduced_llm(model_dirs, subset_file: str, tree, k: int) -> specdec.LLM:
     target, draft = model_dirs
     shape = {} if tree is None else {"tree": tree, "tree_policy": "always", "tree_max_batch_size": 256}
     spec = specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=k, draft_vocab=subset_file, **shape)
@@ -67,7 +56,7 @@ def reduced_llm(model_dirs, subset_file: str, tree, k: int) -> specdec.LLM:  # n
 
 
 @pytest.mark.parametrize("name,case,tree,k", CASES, ids=[c[0] for c in CASES])
-def test_reduced_vocab_sampling_matches_exact_joint(model_dirs, prefix_logits, subset_file, name, case, tree,  # noqa: F811
+def test_reduced_vocab_sampling_matches_exact_joint(model_dirs, prefix_logits, subset_file, name, case, tree,
                                                     k):
     cfg, m = CONFIGS[case], k + 2
     llm = reduced_llm(model_dirs, subset_file, tree, k)
@@ -105,7 +94,7 @@ MUTANTS = {"off_by_one_map": plant_off_by_one_map, "mass_outside_the_subset": pl
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
-def test_planted_mutant_is_rejected(model_dirs, prefix_logits, subset_file, monkeypatch, mutant):  # noqa: F811
+def test_planted_mutant_is_rejected(model_dirs, prefix_logits, subset_file, monkeypatch, mutant):
     name, case, tree, k = MUTANT_CASE
     cfg, m, label = CONFIGS[case], k + 2, f"mutant {mutant} ({name})"
     llm = reduced_llm(model_dirs, subset_file, tree, k)
@@ -115,7 +104,7 @@ def test_planted_mutant_is_rejected(model_dirs, prefix_logits, subset_file, monk
     assert stat > bound, f"{label} was not detected (chi-square {stat:.1f} <= {bound:.1f})"
 
 
-def test_q_sent_to_verification_is_zero_outside_the_subset(model_dirs, subset_file, monkeypatch):  # noqa: F811
+def test_q_sent_to_verification_is_zero_outside_the_subset(model_dirs, subset_file, monkeypatch):
     """The q rows verification reads put exactly 0 on the id outside the subset (chains and trees)."""
     for tree in (None, [3, 1]):
         llm = reduced_llm(model_dirs, subset_file, tree, 2)

@@ -6,7 +6,7 @@ draft x, so verification accepts x with probability p(x) and after a rejection d
 the drafts depend on the emitted prefix only. "combined" (prompt lookup when it matches, else the draft model)
 puts one-hot rows and draft-model rows (q = the draft's distribution) into the same verification batch.
 
-Setup: the target/draft pair, exact oracle and statistic of test_spec_lossless.py (vocabulary 4; exact joint of
+Setup: the target/draft pair, exact oracle and statistic of tests/oracle.py (vocabulary 4; exact joint of
 tokens 1..m from transformers' logits and an independent float64 standardization; Pearson chi-square with pooling
 against the quantile at ALPHA = 1e-6; every request seeded, so each run is deterministic). The prompt repeats
 "1 1 1 0 3" and ends in 1, so prompt lookup matches after the likely first tokens (t1 = 1 or 0, ~70%: "1 1" and
@@ -36,16 +36,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_spec_lossless import (  # noqa: F401 - model_dirs: the module's fixture, shared
-    CONFIGS,
-    check,
-    exact_joint,
-    lossless_llm,
-    memoised,
-    model_dirs,
-    run,
-    target_prefix_logits,
-)
+from oracle import CONFIGS, check, exact_joint, lossless_llm, memoised, run, target_prefix_logits
 
 import specdec
 from specdec.kernels import spec_sample as spec_sample_module
@@ -69,12 +60,12 @@ MAX_M = max(k for *_, k in CASES) + 2
 
 
 @pytest.fixture(scope="module")
-def prefix_logits(model_dirs):  # noqa: F811
+def prefix_logits(model_dirs):
     return target_prefix_logits(model_dirs[0], PROMPT, MAX_M)
 
 
 @pytest.fixture(scope="module")
-def make_llm(model_dirs):  # noqa: F811
+def make_llm(model_dirs):
     """``make_llm(method, k)``: the speculative LLM (one per (method, k) for the whole module)."""
     target, draft = model_dirs
 

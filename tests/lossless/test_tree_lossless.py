@@ -1,7 +1,7 @@
 """End-to-end proof that speculative sampling with draft TREES is lossless: the real engine (draft-model trees
 grown with tree attention over the draft's cache, children drawn without replacement, one ragged target forward
 with tree masks, ``ops.tree_sample``, compaction of the accepted path in both pools) against the exact oracle of
-``test_spec_lossless.py`` (same tiny vocabulary-4 models, same float64 oracle, same pooled chi-square at 1e-6).
+``tests/oracle.py`` (same tiny vocabulary-4 models, same float64 oracle, same pooled chi-square at 1e-6).
 
 Every request generates m = depth + 2 tokens from one prompt with its own seed. With a vocabulary of 4, a root
 with 3 children covers most of the draft's support, so the residual after two or three rejected siblings, the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_spec_lossless import CONFIGS, N_MUTANT, PROMPT, N, check, exact_joint, model_dirs, run, target_prefix_logits  # noqa: F401
+from oracle import CONFIGS, N_MUTANT, PROMPT, N, check, exact_joint, run, target_prefix_logits
 
 import specdec
 from specdec.spec_decode.proposers import draft_tree as draft_tree_module
@@ -30,11 +30,11 @@ MAX_M = max(depth for *_, depth in CASES) + 2
 
 
 @pytest.fixture(scope="module")
-def tree_prefix_logits(model_dirs):  # noqa: F811
+def tree_prefix_logits(model_dirs):
     return target_prefix_logits(model_dirs[0], PROMPT, MAX_M)
 
 
-def tree_llm(model_dirs, tree, depth):  # noqa: F811
+def tree_llm(model_dirs, tree, depth):
     target, draft = model_dirs
     spec = specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=depth, tree_policy="always", tree=tree,
                                      tree_budget=5, tree_max_branch=3, tree_max_batch_size=256)
@@ -43,7 +43,7 @@ def tree_llm(model_dirs, tree, depth):  # noqa: F811
 
 
 @pytest.mark.parametrize("name,case,tree,depth", CASES, ids=[c[0] for c in CASES])
-def test_tree_sampling_matches_exact_joint(model_dirs, tree_prefix_logits, name, case, tree, depth):  # noqa: F811
+def test_tree_sampling_matches_exact_joint(model_dirs, tree_prefix_logits, name, case, tree, depth):
     cfg, m = CONFIGS[case], depth + 2
     counts, metrics = run(tree_llm(model_dirs, tree, depth), cfg, m, N, name)
     stat, bound = check(name, counts, exact_joint(tree_prefix_logits, cfg, m))
@@ -54,7 +54,7 @@ def test_tree_sampling_matches_exact_joint(model_dirs, tree_prefix_logits, name,
     assert 0 < accepted < drafted and full > N // 20  # rejections and full-depth acceptances both happened
 
 
-def test_top_c_children_claimed_as_sampled_are_rejected(model_dirs, tree_prefix_logits, monkeypatch):  # noqa: F811
+def test_top_c_children_claimed_as_sampled_are_rejected(model_dirs, tree_prefix_logits, monkeypatch):
     """Mutant: no noise in the draw (children = top-c of q) while verification assumes draws from q."""
     monkeypatch.setattr(draft_tree_module, "row_exponentials",
                         lambda seeds, positions, stream, n: torch.ones(seeds.shape[0], n))

@@ -7,17 +7,16 @@ is vocabulary-parallel.
   tolerance);
 - greedy output equals plain decoding (chains and dynamic trees, batch 4), the head accepts as often as in one
   process (so it really reads the right hidden states: greedy parity alone holds for any drafts), pools whole;
-- sampling stays lossless (the exact-joint oracle of test_spec_lossless.py);
+- sampling stays lossless (the exact-joint oracle of tests/oracle.py);
 - a head sharded over the ranks is refused.
 """
 
 from __future__ import annotations
 
+import oracle as lossless
 import pytest
-import test_eagle3_lossless as eagle_lossless
-import test_spec_lossless as lossless
 import torch
-from test_eagle3 import HEAD_HEADS, HEAD_MLP, LAYERS, assert_pools_whole, prompts
+from eagle3_helpers import HEAD_HEADS, HEAD_MLP, LAYERS, assert_pools_whole, prompts
 from test_tp_engine import assert_lossless_under_tp
 from tiny_models import make_tiny_eagle3_head, make_tiny_model
 
@@ -128,7 +127,7 @@ def test_eagle3_sampling_is_lossless_under_tp(tmp_path):
     """The sampled joint of tokens 1..4 (k = 2, top-k/top-p) under TP=2 against the exact target joint."""
     target, _ = lossless.make_lossless_pair(tmp_path)
     head = str(tmp_path / "head")
-    make_tiny_eagle3_head(head, target, seed=9, draft_ids=eagle_lossless.DRAFT_IDS, aux_layer_ids=[0, 1, 1],
+    make_tiny_eagle3_head(head, target, seed=9, draft_ids=[0, 2, 3], aux_layer_ids=[0, 1, 1],  # test_eagle3_lossless's
                           structured=False, num_heads=4, intermediate_size=48)
     spec = SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=2)
     assert_lossless_under_tp(target, spec, "eagle3")

@@ -1,12 +1,12 @@
 """Tensor parallelism under the engine (2 gloo ranks on CPU): ``LLM(tensor_parallel_size=2)`` gives the
 one-process engine's greedy tokens, plain and speculative (a sharded draft model's chains, a rank-0 draft's
-trees, prompt lookup), and speculative sampling stays lossless (the exact-joint oracle of test_spec_lossless.py).
+trees, prompt lookup), and speculative sampling stays lossless (the exact-joint oracle of tests/oracle.py).
 Bad tensor-parallel configurations are refused before any worker starts."""
 
 from __future__ import annotations
 
+import oracle as lossless
 import pytest
-import test_spec_lossless as lossless
 from tiny_models import make_tiny_model
 
 from specdec import LLM, SamplingParams, SpeculativeConfig

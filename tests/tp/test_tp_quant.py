@@ -15,8 +15,8 @@ A shard quantised from the wrong columns (one group off) or a rank that drops an
 from __future__ import annotations
 
 import pytest
-import test_tp_model as tpm
 import torch
+import tp_helpers as tpm
 
 from specdec.cache.kv_pool import KVPool
 from specdec.distributed.comm import TPGroup

@@ -18,7 +18,7 @@ import pytest
 
 from specdec import LLM, SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "docs" / "examples" / "tp_torchrun.py"
 FAULT_SCRIPT = Path(__file__).resolve().parent / "tp_torchrun_script.py"
 PROMPTS = ["hello there, the cat", "the cat sat on the mat, the cat sat on the", "in the beginning"]

@@ -1,6 +1,6 @@
-"""What tests/test_tp_torchrun.py runs on every rank under torchrun to plant faults (not collected by pytest).
+"""What tests/tp/test_tp_torchrun.py runs on every rank under torchrun to plant faults (not collected by pytest).
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp_torchrun_script.py MODE TARGET DIR
+    python -m torch.distributed.run --standalone --nproc-per-node 2 tests/tp/tp_torchrun_script.py MODE TARGET DIR
 
 MODE ``kill-worker``: rank 0 prefills two requests, SIGKILLs rank 1 (its pid is in ``DIR/rank1.pid``) and steps
 until they end; it writes their finish reasons and errors, and the engine's health, to ``DIR/rank0.json``.

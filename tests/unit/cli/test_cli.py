@@ -193,7 +193,7 @@ def test_every_metrics_key_is_documented():
 
     from specdec.engine.sequence import RequestMetrics
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "metrics.md").read_text(encoding="utf-8")
     table_keys = {key for row in doc.splitlines() if row.startswith("| `")
                   for key in re.findall(r"`(\w+)`", row.split("|")[1])}
     assert set(RequestMetrics().as_dict()) <= table_keys

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runner_helpers import BLOCK_SIZE, NUM_BLOCKS, K, uniform_batch
 from tiny_models import make_tiny_model
 
 from specdec import ops
@@ -23,10 +24,6 @@ from specdec.model.config import ModelConfig
 from specdec.model.llama import AttentionMetadata
 from specdec.model.loader import load_model
 from specdec.runner.cuda_graphs import BucketKey, StaticForwardRunner, reserve_scratch_block
-
-BLOCK_SIZE = 4
-NUM_BLOCKS = 40
-K = 3  # speculative tokens: verification windows of K + 1
 
 
 @pytest.fixture(scope="module")
@@ -47,30 +44,6 @@ def new_pool(config, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shape = (config.num_hidden_layers, NUM_BLOCKS, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
     return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
-
-
-def uniform_batch(seq_lens: list[int], q_len: int, vocab: int, seed: int, width: int | None = None,
-                  first_block: int = 1) -> dict:
-    """A uniform batch over disjoint blocks ``first_block ..`` (block 0 stays the scratch block); table columns
-    past a sequence's end hold out-of-pool ids (they must never be read)."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [-(-n // BLOCK_SIZE) for n in seq_lens]
-    width = width or max(need)
-    tables = torch.full((len(seq_lens), width), 10_000, dtype=torch.int32)
-    perm = first_block + torch.randperm(NUM_BLOCKS - first_block, generator=gen)
-    at = 0
-    for b, n in enumerate(need):
-        tables[b, :n] = perm[at:at + n].to(torch.int32)
-        at += n
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    positions = (lens[:, None].long() - q_len + torch.arange(q_len)).flatten()  # [B*q]
-    rows = torch.arange(len(seq_lens)).repeat_interleave(q_len)
-    slots = tables[rows, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-    return {
-        "input_ids": torch.randint(0, vocab, (len(seq_lens) * q_len,), generator=gen), "positions": positions,
-        "slot_mapping": slots, "block_tables": tables, "seq_lens": lens,
-        "cu_q_lens": torch.arange(0, (len(seq_lens) + 1) * q_len, q_len, dtype=torch.int32),
-    }  # fmt: skip
 
 
 def eager_logits(model, pool, batch, q_len=None) -> torch.Tensor:

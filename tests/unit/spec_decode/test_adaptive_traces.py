@@ -16,7 +16,7 @@ import pytest
 from bench.acceptance_trace import accepted_run
 from specdec.spec_decode.adaptive import AdaptiveK
 
-TRACES = json.loads((Path(__file__).parent / "data" / "acceptance_traces_qwen.json").read_text())
+TRACES = json.loads((Path(__file__).resolve().parents[2] / "data" / "acceptance_traces_qwen.json").read_text())
 STEP_MS = {int(k): v for k, v in TRACES["step_ms"].items()}  # arm (k) -> one engine step's time
 K_MAX = max(STEP_MS)
 

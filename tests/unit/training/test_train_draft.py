@@ -143,7 +143,7 @@ def test_unrolled_steps_match_the_dense_reference(trained, target):
     """Step j, row p of the training-time test is the head's q after the context ``tokens[:p + 2]`` and the
     drafted path ``tokens[p + 2 : p + 2 + j]`` - computed by test_eagle3's dense EAGLE-3 written from the published
     description, fed transformers' hidden states (so training optimises what the proposer drafts with)."""
-    from test_eagle3 import ReferenceHead
+    from eagle3_helpers import ReferenceHead
 
     out, _ = trained
     ref = ReferenceHead(out, target)
