@@ -24,6 +24,7 @@ import time
 from collections import Counter
 
 import torch
+from helpers import small_llm
 from stats_helpers import chi2_isf
 from tiny_models import make_tiny_model
 
@@ -74,7 +75,7 @@ def target_prefix_logits(target_dir: str, prompt: list[int], max_m: int) -> dict
 
 def lossless_llm(target: str, spec: specdec.SpeculativeConfig) -> specdec.LLM:
     """The fp32 speculative LLM of the lossless tests (tiny KV cache, up to 256 requests per batch)."""
-    return specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
+    return small_llm(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
                        kv_cache_memory_gb=0.02, speculative=spec)  # fmt: skip
 
 

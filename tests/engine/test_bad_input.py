@@ -5,9 +5,9 @@ import os
 import shutil
 
 import pytest
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
-import specdec
 from specdec import SamplingParams
 
 OK = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -22,7 +22,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return specdec.LLM(model_dir, dtype="float32", block_size=4, max_model_len=64)
+    return small_llm(model_dir, dtype="float32", block_size=4, max_model_len=64)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -95,7 +95,7 @@ def test_one_bad_request_in_a_batch_rejects_the_call_before_anything_runs(llm):
 ])
 def test_bad_engine_arguments(model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        specdec.LLM(model_dir, **kwargs)
+        small_llm(model_dir, **kwargs)
 
 
 def test_missing_and_corrupt_weights(model_dir, tmp_path):
@@ -103,19 +103,19 @@ def test_missing_and_corrupt_weights(model_dir, tmp_path):
     shutil.copytree(model_dir, missing)
     os.remove(missing / "model.safetensors")
     with pytest.raises(ValueError, match="no \\*.safetensors weights"):
-        specdec.LLM(str(missing))
+        small_llm(str(missing))
     corrupt = tmp_path / "corrupt"
     shutil.copytree(model_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match="corrupt or unreadable"):
-        specdec.LLM(str(corrupt))
+        small_llm(str(corrupt))
     with pytest.raises(ValueError, match="neither an existing directory"):
-        specdec.LLM(str(tmp_path / "nowhere" / "x"))
+        small_llm(str(tmp_path / "nowhere" / "x"))
     bad_cfg = tmp_path / "badcfg"
     shutil.copytree(model_dir, bad_cfg)
     (bad_cfg / "config.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
-        specdec.LLM(str(bad_cfg))
+        small_llm(str(bad_cfg))
 
 
 def test_weights_of_the_wrong_shape(model_dir, tmp_path):
@@ -125,14 +125,14 @@ def test_weights_of_the_wrong_shape(model_dir, tmp_path):
     cfg["intermediate_size"] = 96
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="has shape"):
-        specdec.LLM(str(other))
+        small_llm(str(other))
 
 
 def test_folder_without_tokenizer_takes_token_ids_only(model_dir, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(model_dir, bare)
     os.remove(bare / "tokenizer.json")
-    llm = specdec.LLM(str(bare), dtype="float32", max_model_len=64)
+    llm = small_llm(str(bare), dtype="float32", max_model_len=64)
     assert llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=OK)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="no tokenizer.json: pass prompt_token_ids"):
         llm.generate("hello", OK)
@@ -143,7 +143,7 @@ def test_offline_hub_id_not_in_cache_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
-        specdec.LLM("nobody/not-a-model")
+        small_llm("nobody/not-a-model")
 
 
 def test_a_seed_at_the_top_of_the_range_runs(llm):

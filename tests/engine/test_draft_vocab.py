@@ -3,6 +3,7 @@ never sees ids it does not have, its q is zero there, and verification stays los
 
 import pytest
 import torch
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
 import specdec
@@ -20,8 +21,8 @@ def models(tmp_path_factory):
     draft = str(tmp_path_factory.mktemp("vocab_draft"))
     make_tiny_model(target, "llama", seed=11, vocab_size=TARGET_VOCAB, lm_head_std=0.3)
     make_tiny_model(draft, "llama", seed=12, vocab_size=DRAFT_VOCAB, lm_head_std=0.3)
-    plain = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128)
-    spec = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128,
+    plain = small_llm(target, dtype="float32", block_size=4, max_model_len=128)
+    spec = small_llm(target, dtype="float32", block_size=4, max_model_len=128,
                        speculative=specdec.SpeculativeConfig(method="draft_model", draft_model=draft,
                                                              num_speculative_tokens=4))
     return plain, spec

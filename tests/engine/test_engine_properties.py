@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import small_llm
 
 import specdec
 from specdec import SamplingParams
@@ -90,7 +91,7 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, eagle_head, mod
     rng = random.Random(20261122 + (mode != "plain"))
     speculative = _speculative_config(mode, draft, eagle_head)
     # a pool just above one full-length sequence: admission waits and preemption are frequent
-    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=48, num_kv_blocks=20, max_num_seqs=6,
+    llm = small_llm(target, dtype="float32", block_size=4, max_model_len=48, num_kv_blocks=20, max_num_seqs=6,
                       max_num_batched_tokens=20, speculative=speculative)
     engine = llm.engine
 
@@ -189,7 +190,7 @@ def test_random_operations_keep_the_engine_consistent(tiny_pair, eagle_head, mod
     else:
         assert stats["prefix_cache_hits"] >= 100 and stats["prefix_cache_evicted_blocks"] >= 10, stats
     # completed greedy requests (a sample) have the tokens of an uncached, unbatched, unfaulted run
-    reference = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=48, enable_prefix_caching=False)
+    reference = small_llm(target, dtype="float32", block_size=4, max_model_len=48, enable_prefix_caching=False)
     checked = sorted(finished_greedy, key=int)[:: max(1, len(finished_greedy) // 25)]
     assert len(checked) >= 10
     for rid in checked:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_llm
 
 import specdec
 import specdec.engine.output_processor as output_processor_module
@@ -46,11 +47,11 @@ def engines(tiny_pair, tmp_path_factory):
     target, draft = tiny_pair
     head = str(tmp_path_factory.mktemp("isolation_eagle3"))
     make_tiny_eagle3_head(head, target, seed=6, aux_layer_ids=[0, 1, 2], draft_ids=list(range(0, 300, 2)))
-    plain = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64)
-    spec = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64,
+    plain = small_llm(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64)
+    spec = small_llm(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64,
                        speculative=specdec.SpeculativeConfig(method="draft_model", draft_model=draft,
                                                              num_speculative_tokens=3))
-    eagle = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64,
+    eagle = small_llm(target, dtype="float32", block_size=4, max_model_len=128, num_kv_blocks=64,
                         speculative=specdec.SpeculativeConfig(method="eagle3", draft_model=head,
                                                               num_speculative_tokens=3))
     return {"plain": plain.engine, "speculative": spec.engine, "eagle3": eagle.engine}

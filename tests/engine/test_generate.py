@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-from helpers import assert_greedy_equal
+from helpers import assert_greedy_equal, small_llm
 from tiny_models import make_tiny_model
 
-import specdec
 from specdec import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -27,7 +26,7 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return specdec.LLM(model_dir, dtype="float32", block_size=4, max_model_len=256)
+    return small_llm(model_dir, dtype="float32", block_size=4, max_model_len=256)
 
 
 def prompts(n, seed=0, lo=3, hi=30):
@@ -107,7 +106,7 @@ def test_stop_string_cuts_text_and_keeps_completing_token(llm):
 
 def test_pool_pressure_all_requests_complete_and_pool_returns_to_full(model_dir, llm):
     # The pool holds ~1 full-length sequence; 10x more requests than fit at once.
-    small = specdec.LLM(model_dir, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=17)
+    small = small_llm(model_dir, dtype="float32", block_size=4, max_model_len=64, num_kv_blocks=17)
     ps = prompts(20, seed=8, lo=10, hi=40)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
               SamplingParams(temperature=1.0, max_tokens=20, seed=5, ignore_eos=True)] * 10

@@ -31,6 +31,7 @@ import traceback
 import numpy as np
 import pytest
 import torch
+from helpers import small_llm
 from torch.overrides import TorchFunctionMode
 
 import specdec
@@ -130,7 +131,7 @@ def _configs(draft: str, eagle_head: str) -> dict[str, SpeculativeConfig | None]
                                   "combined", "eagle3_chain", "eagle3_tree_static", "eagle3_tree_dynamic"])
 def test_engine_steps_make_no_hidden_sync(tiny_pair, eagle_head, mode, params):
     target, draft = tiny_pair
-    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4, num_kv_blocks=200,
+    llm = small_llm(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4, num_kv_blocks=200,
                       speculative=_configs(draft, eagle_head)[mode])
     engine = llm.engine
     for i in range(3):

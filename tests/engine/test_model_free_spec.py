@@ -4,57 +4,15 @@ import random
 
 import pytest
 import torch
+from helpers import small_llm
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.spec_decode.adaptive import AdaptiveK
 from specdec.spec_decode.cost_model import FixedCostModel, MeasuredCostModel, expected_speedup
 
 
-def repetitive_prompts(n, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        unit = torch.randint(0, 257, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist()
-        out.append(unit * 4)
-    return out
-
-
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-CONFIGS = {
-    "ngram": lambda d: SpeculativeConfig(method="ngram", num_speculative_tokens=4),
-    "prompt_lookup": lambda d: SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=4, prompt_lookup_min=1),
-    "combined": lambda d: SpeculativeConfig(method="combined", draft_model=d, num_speculative_tokens=3),
-    "combined_ngram_adaptive": lambda d: SpeculativeConfig(method="combined", draft_model=d, num_speculative_tokens=3,
-                                                           combined_lookup="ngram", adaptive=True),
-    "draft_model_adaptive": lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=4, adaptive=True),
-}
-
-
-@pytest.mark.parametrize("method", list(CONFIGS))
-@pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_parity_with_every_method(pair, plain, method, batch):
-    target, draft = pair
-    ps = repetitive_prompts(8, seed=batch)
-    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=256, max_num_seqs=batch,
-                      speculative=CONFIGS[method](draft))
-    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    drafted = sum(o.metrics["drafted"] for o in outs)
-    accepted = sum(o.metrics["accepted"] for o in outs)
-    assert 0 < accepted < drafted  # rounds that accept and rounds that reject
-    if not method.endswith("adaptive"):  # adaptive k keeps drafts short here, so they may not cross a block
-        assert llm.engine.stats["rollback_freed_blocks"] > 0
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
-    # sampled requests run too (their distribution is proven in test_spec_lossless*.py)
-    sampled = llm.generate(prompt_token_ids=ps[:2], sampling_params=SamplingParams(
-        temperature=0.8, top_k=20, max_tokens=12, seed=1, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 12 for o in sampled)
-
-
-def test_no_prediction_means_a_plain_step_without_verification(pair):
-    llm = specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256,
+def test_no_prediction_means_a_plain_step_without_verification(tiny_pair):
+    llm = small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256,
                       speculative=SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=4,
                                                     prompt_lookup_min=3))
     out = llm.generate(prompt_token_ids=[[1, 2, 3, 4, 5, 6, 7, 8]], sampling_params=SamplingParams(
@@ -120,7 +78,7 @@ def smollm2():
 
 def test_adaptive_k_settles_to_zero_on_random_tokens_and_stays_up_on_repetition(smollm2):
     costs = FixedCostModel(c=0.0, verify_slope=0.25)
-    llm = specdec.LLM(smollm2, dtype="float32", max_model_len=512, speculative=SpeculativeConfig(
+    llm = small_llm(smollm2, dtype="float32", max_model_len=512, speculative=SpeculativeConfig(
         method="ngram", num_speculative_tokens=4, adaptive=True, cost_model=costs))
     gen = torch.Generator().manual_seed(0)
     random_tokens = torch.randint(1000, 30000, (40,), generator=gen).tolist()

@@ -4,6 +4,7 @@ import inspect
 
 import pytest
 import torch
+from helpers import small_llm
 
 import specdec
 from specdec import SamplingParams, SpeculativeConfig
@@ -11,14 +12,14 @@ from specdec.sampling.params import MAX_SEED, child_seed
 
 
 @pytest.fixture(scope="module")
-def spec(pair):
+def spec(tiny_pair):
     # Without prefix caching: a prompt found whole in the cache starts with a speculative round instead of a plain
     # prefill step, and a seeded speculative request reproduces only while it is granted the same k each step
     # (docs/guarantees.md), so "sample 0 = the n == 1 run" would compare two different k schedules.
     has_option = "enable_prefix_caching" in inspect.signature(specdec.LLM).parameters
     no_cache = {"enable_prefix_caching": False} if has_option else {}
-    return specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256, **no_cache,
-                       speculative=SpeculativeConfig(draft_model=pair[1], num_speculative_tokens=3))
+    return small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256, **no_cache,
+                       speculative=SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3))
 
 
 def prompts(n, seed=0):
@@ -40,8 +41,8 @@ def sampled(n, seed=5, **kw):
 
 
 @pytest.mark.parametrize("which", ["plain", "spec"])
-def test_n_samples_in_one_output_and_sample_0_is_the_n1_run(plain, spec, which):
-    llm = plain if which == "plain" else spec
+def test_n_samples_in_one_output_and_sample_0_is_the_n1_run(tiny_pair_plain, spec, which):
+    llm = tiny_pair_plain if which == "plain" else spec
     ps = prompts(2, seed=1)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=sampled(4, logprobs=1))
     assert len(outs) == 2
@@ -63,19 +64,19 @@ def test_n_samples_in_one_output_and_sample_0_is_the_n1_run(plain, spec, which):
     assert_all_blocks_free(llm)
 
 
-def test_greedy_samples_are_identical(plain):
-    out = plain.generate(prompt_token_ids=prompts(1, seed=2)[0],
+def test_greedy_samples_are_identical(tiny_pair_plain):
+    out = tiny_pair_plain.generate(prompt_token_ids=prompts(1, seed=2)[0],
                          sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3))[0]
     assert len(out.outputs) == 3
     assert out.outputs[0].token_ids == out.outputs[1].token_ids == out.outputs[2].token_ids
     assert out.outputs[0].text == out.outputs[2].text
 
 
-def test_unseeded_samples_differ(plain):
-    out = plain.generate(prompt_token_ids=prompts(1, seed=3)[0],
+def test_unseeded_samples_differ(tiny_pair_plain):
+    out = tiny_pair_plain.generate(prompt_token_ids=prompts(1, seed=3)[0],
                          sampling_params=SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, n=3))[0]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    assert_all_blocks_free(plain)
+    assert_all_blocks_free(tiny_pair_plain)
 
 
 def test_step_outputs_report_every_sample_by_index(spec):
@@ -102,8 +103,8 @@ def test_step_outputs_report_every_sample_by_index(spec):
 
 
 @pytest.mark.parametrize("which", ["plain", "spec"])
-def test_abort_of_the_request_aborts_and_frees_every_sample(plain, spec, which):
-    llm = plain if which == "plain" else spec
+def test_abort_of_the_request_aborts_and_frees_every_sample(tiny_pair_plain, spec, which):
+    llm = tiny_pair_plain if which == "plain" else spec
     engine = llm.engine
     rid = engine.add_request(prompt_token_ids=prompts(1, seed=6)[0],
                              params=SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, n=4, seed=1))
@@ -125,20 +126,20 @@ def test_abort_of_the_request_aborts_and_frees_every_sample(plain, spec, which):
     assert_all_blocks_free(llm)
 
 
-def test_request_id_of_a_running_group_is_in_use(plain):
-    engine = plain.engine
+def test_request_id_of_a_running_group_is_in_use(tiny_pair_plain):
+    engine = tiny_pair_plain.engine
     engine.add_request(prompt_token_ids=[1, 2, 3], params=sampled(2), request_id="g")
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(prompt_token_ids=[1, 2, 3], params=sampled(1), request_id="g")
     engine.abort("g")
     engine.step()
-    assert_all_blocks_free(plain)
+    assert_all_blocks_free(tiny_pair_plain)
 
 
-def test_stream_refuses_n_above_1(plain):
+def test_stream_refuses_n_above_1(tiny_pair_plain):
     with pytest.raises(ValueError, match=r"SamplingParams\.n=2"):
-        next(plain.stream(prompt_token_ids=[1, 2, 3], sampling_params=sampled(2)))
-    assert not plain.engine.has_unfinished_requests()
+        next(tiny_pair_plain.stream(prompt_token_ids=[1, 2, 3], sampling_params=sampled(2)))
+    assert not tiny_pair_plain.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("value", [0, -1, 129, 1.0, True, None])
@@ -156,10 +157,10 @@ def test_child_seed():
     SamplingParams(seed=child_seed(MAX_SEED, 5))  # always a valid seed
 
 
-def test_a_failing_sample_ends_alone(plain, monkeypatch):
+def test_a_failing_sample_ends_alone(tiny_pair_plain, monkeypatch):
     """NaN logits for sample 1 only: it ends with "error" (named in RequestOutput.error), the others finish, and
     the request is reported finished once all have ended."""
-    engine = plain.engine
+    engine = tiny_pair_plain.engine
     forward = engine.runner.forward
 
     def nan_for_sample_1(items, input_ids=None):
@@ -177,9 +178,9 @@ def test_a_failing_sample_ends_alone(plain, monkeypatch):
         return logits
 
     monkeypatch.setattr(engine.runner, "forward", nan_for_sample_1)
-    out = plain.generate(prompt_token_ids=prompts(1, seed=7)[0], sampling_params=sampled(3, logprobs=0))[0]
+    out = tiny_pair_plain.generate(prompt_token_ids=prompts(1, seed=7)[0], sampling_params=sampled(3, logprobs=0))[0]
     assert out.finished and [c.finish_reason for c in out.outputs] == ["length", "error", "length"]
     assert out.error.startswith("output 1: FloatingPointError")
     assert len(out.outputs[1].token_ids) == 2 == len(out.outputs[1].logprobs)
     assert all(len(c.token_ids) == 10 == len(c.logprobs) for c in (out.outputs[0], out.outputs[2]))
-    assert_all_blocks_free(plain)
+    assert_all_blocks_free(tiny_pair_plain)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
 import specdec
@@ -44,7 +45,7 @@ def dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(dirs):
-    return specdec.LLM(dirs[0], dtype="float32", block_size=4, max_model_len=128)
+    return small_llm(dirs[0], dtype="float32", block_size=4, max_model_len=128)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def subset(reference, tmp_path_factory) -> tuple[str, list[int]]:
 
 
 def spec_llm(target: str, draft: str, path: str, **spec) -> specdec.LLM:
-    return specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128,
+    return small_llm(target, dtype="float32", block_size=4, max_model_len=128,
                        speculative=SpeculativeConfig(draft_model=draft, num_speculative_tokens=4, draft_vocab=path,
                                                      **spec))
 
@@ -105,20 +106,6 @@ def test_greedy_equals_plain_and_the_target_emits_ids_outside_the_subset(dirs, r
     assert accepted > 0.1 * sum(o.metrics["drafted"] for o in outs)
 
 
-@pytest.mark.parametrize("method,draft", [("combined", 1), ("draft_model", "self")], ids=["combined", "self"])
-def test_greedy_equals_plain_for_combined_and_self_drafts(dirs, reference, subset, method, draft):
-    path, ids = subset
-    llm = spec_llm(dirs[0], dirs[draft] if isinstance(draft, int) else draft, path, method=method)
-    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == reference
-    proposer = llm.engine.speculative.proposer
-    model = getattr(proposer, "draft_model", proposer).runner.model
-    assert model.lm_head.out_features == len(ids)
-    if draft == "self":  # the embedding is still the target's own tensor; the target's head is untouched
-        assert model.embed_tokens.weight is llm.engine.model.embed_tokens.weight
-        assert llm.engine.model.lm_head.out_features == VOCAB
-
-
 def test_a_smaller_draft_vocabulary_and_a_subset_of_it(dirs, tmp_path, monkeypatch):
     """A draft of 280 ids (the suffix cut of tests/engine/test_draft_vocab.py) with a subset of those: ids >= 280 are
     fed to it as the stand-in, ids outside the subset never drafted, and a subset id the draft lacks is refused."""
@@ -130,7 +117,7 @@ def test_a_smaller_draft_vocabulary_and_a_subset_of_it(dirs, tmp_path, monkeypat
     llm = spec_llm(dirs[0], small, str(path))
     seen = spy_rounds(llm, monkeypatch)
     prompts = PROMPTS + [[290, 5, 299, 6]]  # ids the draft does not have
-    ref = [o.outputs[0].token_ids for o in specdec.LLM(dirs[0], dtype="float32", block_size=4, max_model_len=128)
+    ref = [o.outputs[0].token_ids for o in small_llm(dirs[0], dtype="float32", block_size=4, max_model_len=128)
            .generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)] == ref
     assert seen["drafted"] and set(seen["drafted"]) <= set(ids)

@@ -6,8 +6,8 @@ ragged ones do not, the scratch block never leaks into a request, and a failing 
 
 import pytest
 import torch
+from helpers import small_llm
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.runner.cuda_graphs import SCRATCH_SEQ_ID
 
@@ -23,7 +23,7 @@ def prompts(n, seed=0):
 
 def llm(target, draft=None, k=3, static=True, **kwargs):
     spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=k) if draft else None
-    out = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=6,
+    out = small_llm(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=6,
                       speculative=spec, **kwargs)
     if static:
         out.engine.enable_static_forward("eager")
@@ -35,20 +35,20 @@ def tokens(outs):
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-def test_plain_engine_static_equals_eager(pair, params):
+def test_plain_engine_static_equals_eager(tiny_pair, params):
     ps = prompts(5, seed=1)
-    ref = tokens(llm(pair[0], static=False).generate(prompt_token_ids=ps, sampling_params=params))
-    engine = llm(pair[0])
+    ref = tokens(llm(tiny_pair[0], static=False).generate(prompt_token_ids=ps, sampling_params=params))
+    engine = llm(tiny_pair[0])
     assert tokens(engine.generate(prompt_token_ids=ps, sampling_params=params)) == ref
     static = engine.engine.runner.static
     assert static.num_replays > 0  # the decodes went through the buckets
     assert 6 in {key.batch for key in static._batches}  # 5 running requests: bucket 6 (max_num_seqs), 1 padding row
 
 
-def test_speculative_engine_static_equals_eager(pair):
+def test_speculative_engine_static_equals_eager(tiny_pair):
     ps = prompts(5, seed=2)
-    ref = tokens(llm(*pair, static=False).generate(prompt_token_ids=ps, sampling_params=GREEDY))
-    engine = llm(*pair)
+    ref = tokens(llm(*tiny_pair, static=False).generate(prompt_token_ids=ps, sampling_params=GREEDY))
+    engine = llm(*tiny_pair)
     outs = engine.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert tokens(outs) == ref
     target, draft = engine.engine.runner.static, engine.engine.speculative.draft_model.runner.static
@@ -60,10 +60,10 @@ def test_speculative_engine_static_equals_eager(pair):
         assert bm.num_free_blocks == bm.num_blocks - 1 and bm.has_seq(SCRATCH_SEQ_ID)
 
 
-def test_static_failure_falls_back_to_eager(pair, monkeypatch, caplog):
+def test_static_failure_falls_back_to_eager(tiny_pair, monkeypatch, caplog):
     ps = prompts(3, seed=3)
-    ref = tokens(llm(pair[0], static=False).generate(prompt_token_ids=ps, sampling_params=GREEDY))
-    engine = llm(pair[0])
+    ref = tokens(llm(tiny_pair[0], static=False).generate(prompt_token_ids=ps, sampling_params=GREEDY))
+    engine = llm(tiny_pair[0])
     runner = engine.engine.runner
 
     def broken(*args, **kwargs):
@@ -75,16 +75,16 @@ def test_static_failure_falls_back_to_eager(pair, monkeypatch, caplog):
     assert runner.static is None and "running every forward eagerly" in caplog.text
 
 
-def test_cpu_default_is_eager_and_no_scratch_block(pair):
-    engine = specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=64)
+def test_cpu_default_is_eager_and_no_scratch_block(tiny_pair):
+    engine = small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=64)
     assert engine.engine.runner.static is None
     assert not engine.engine.block_manager.has_seq(SCRATCH_SEQ_ID)
 
 
-def test_enabling_twice_keeps_one_scratch_block(pair):
+def test_enabling_twice_keeps_one_scratch_block(tiny_pair):
     """On CUDA the engine enables graphs at start-up; a second call (a bench's twin, another mode) replaces the
     runner and keeps the scratch block instead of taking another one (or failing on the pseudo-sequence)."""
-    engine = llm(pair[0])
+    engine = llm(tiny_pair[0])
     bm, runner = engine.engine.block_manager, engine.engine.runner
     scratch, free = runner.scratch_block, bm.num_free_blocks
     engine.engine.enable_static_forward("eager", block_buckets=(1, 2, 4))
@@ -92,5 +92,5 @@ def test_enabling_twice_keeps_one_scratch_block(pair):
     assert runner.static.block_buckets[-1] == runner.static.max_blocks
     ps = prompts(2, seed=4)
     assert tokens(engine.generate(prompt_token_ids=ps, sampling_params=GREEDY)) == \
-        tokens(llm(pair[0], static=False).generate(prompt_token_ids=ps, sampling_params=GREEDY))
+        tokens(llm(tiny_pair[0], static=False).generate(prompt_token_ids=ps, sampling_params=GREEDY))
     bm.check_invariants()

@@ -4,8 +4,8 @@ the batch-size policy, and no leaked blocks after random tree rounds."""
 
 import pytest
 import torch
+from helpers import small_llm
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -21,7 +21,7 @@ def prompts(n, seed=0, lo=3, hi=40, repeat=False):
 
 
 def tree_llm(target, spec: SpeculativeConfig, **kwargs):
-    return specdec.LLM(target, dtype="float32", block_size=4, max_model_len=kwargs.pop("max_model_len", 256),
+    return small_llm(target, dtype="float32", block_size=4, max_model_len=kwargs.pop("max_model_len", 256),
                        speculative=spec, **kwargs)
 
 
@@ -34,47 +34,6 @@ def assert_no_leak(llm):
 
 def tree_rounds(outs):
     return sum(o.metrics["num_rounds"] for o in outs)
-
-
-@pytest.mark.parametrize("tree", [[2, 2, 1, 1], [3, 1], [1, 1, 1, 1], "dynamic"])
-@pytest.mark.parametrize("batch", [1, 4])
-def test_draft_model_tree_greedy_parity(tiny_pair, tiny_pair_plain, tree, batch):
-    ps = prompts(6, seed=len(str(tree)) + batch)
-    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=4, tree_policy="always", tree=tree,
-                             tree_budget=10)
-    llm = tree_llm(tiny_pair[0], spec, max_num_seqs=batch)
-    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    accepted = sum(o.metrics["accepted"] for o in outs)
-    assert accepted > 0 and tree_rounds(outs) > 0
-    assert_no_leak(llm)
-
-
-@pytest.mark.parametrize("method", ["prompt_lookup", "ngram"])
-@pytest.mark.parametrize("tree", [[3, 2, 1, 1], "dynamic"])
-def test_model_free_tree_greedy_parity(tiny_pair, tiny_pair_plain, method, tree):
-    ps = prompts(4, seed=5, repeat=True)
-    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    llm = tree_llm(tiny_pair[0], SpeculativeConfig(method=method, num_speculative_tokens=4, tree_policy="always",
-                                                   tree=tree), max_num_seqs=4)
-    outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    assert sum(o.metrics["accepted"] for o in outs) > 0
-    assert_no_leak(llm)
-
-
-def test_trees_mixed_with_prefill_chunks_and_plain_rows(tiny_pair, tiny_pair_plain):
-    """A small token budget splits long prompts into chunks that share steps with tree rounds; requests near
-    max_tokens take plain steps (k_eff = 0) in those same steps."""
-    ps = prompts(3, seed=7, lo=3, hi=8) + prompts(2, seed=8, lo=60, hi=90)
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 2, 17, 24, 9)]
-    ref = [o.outputs[0].token_ids for o in tiny_pair_plain.generate(prompt_token_ids=ps, sampling_params=params)]
-    spec = SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3, tree_policy="always", tree=[2, 2, 1])
-    llm = tree_llm(tiny_pair[0], spec, max_num_seqs=5, max_num_batched_tokens=24)
-    outs = llm.generate(prompt_token_ids=ps, sampling_params=params)
-    assert [o.outputs[0].token_ids for o in outs] == ref
-    assert_no_leak(llm)
 
 
 def test_tree_accepts_at_least_the_chain_under_greedy(tiny_pair):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_llm
 from oracle import CONFIGS, PROMPT, N, check, exact_joint, run, target_prefix_logits
 from tiny_models import make_tiny_eagle3_head
 
@@ -53,7 +54,7 @@ def eagle_llm(target, head, tree, depth, verify="token"):
     spec = specdec.SpeculativeConfig(method="eagle3", draft_model=head, num_speculative_tokens=depth,
                                      tree_policy="always", tree=tree, tree_budget=4, tree_max_branch=2,
                                      tree_max_batch_size=256, verify=verify)
-    return specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
+    return small_llm(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
                        kv_cache_memory_gb=0.02, speculative=spec)
 
 

@@ -15,6 +15,7 @@ import itertools
 
 import pytest
 import torch
+from helpers import small_llm
 from oracle import CONFIGS, PROMPT, VOCAB, check, exact_joint, lossless_llm, make_lossless_pair, run
 
 import specdec
@@ -59,7 +60,7 @@ def test_quantised_target_and_draft_are_lossless(model_dirs, draft):
     cfg, m, label = CONFIGS["top_k_top_p"], K + 2, f"int8 target, {draft} draft"
     spec = specdec.SpeculativeConfig(draft_model="self" if draft.startswith("self") else draft_dir,
                                      draft_quantization="int4", num_speculative_tokens=K)
-    llm = lossless_llm(target, spec) if TARGET_SCHEME is None else specdec.LLM(
+    llm = lossless_llm(target, spec) if TARGET_SCHEME is None else small_llm(
         target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256, kv_cache_memory_gb=0.02,
         speculative=spec, quantization=TARGET_SCHEME)
     assert llm.engine.model.layers[0].mlp.down_proj.path == "w8a8"

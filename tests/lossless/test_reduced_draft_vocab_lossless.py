@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from helpers import small_llm
 from oracle import CONFIGS, N_MUTANT, PROMPT, VOCAB, N, check, exact_joint, run, target_prefix_logits
 
 import specdec
@@ -51,7 +52,7 @@ def reduced_llm(model_dirs, subset_file: str, tree, k: int) -> specdec.LLM:
     target, draft = model_dirs
     shape = {} if tree is None else {"tree": tree, "tree_policy": "always", "tree_max_batch_size": 256}
     spec = specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=k, draft_vocab=subset_file, **shape)
-    return specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
+    return small_llm(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
                        kv_cache_memory_gb=0.05, enable_prefix_caching=False, speculative=spec)
 
 

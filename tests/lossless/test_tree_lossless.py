@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import small_llm
 from oracle import CONFIGS, N_MUTANT, PROMPT, N, check, exact_joint, run, target_prefix_logits
 
 import specdec
@@ -38,7 +39,7 @@ def tree_llm(model_dirs, tree, depth):
     target, draft = model_dirs
     spec = specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=depth, tree_policy="always", tree=tree,
                                      tree_budget=5, tree_max_branch=3, tree_max_batch_size=256)
-    return specdec.LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
+    return small_llm(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256,
                        kv_cache_memory_gb=0.05, enable_prefix_caching=False, speculative=spec)
 
 

@@ -5,9 +5,8 @@ import os
 
 import pytest
 import torch
-from helpers import assert_greedy_equal
+from helpers import assert_greedy_equal, small_llm
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.model.default_model import default_gguf_path, default_model_path
 
@@ -36,7 +35,7 @@ def oracle():
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return specdec.LLM(model_dir, dtype="float32", max_model_len=512, block_size=16)
+    return small_llm(model_dir, dtype="float32", max_model_len=512, block_size=16)
 
 
 def test_prompt_logits_match_transformers_gguf_loading(llm, oracle):
@@ -104,7 +103,7 @@ def layer_skip_draft(model_dir, tmp_path_factory):
 def test_layer_skip_draft_greedy_parity(llm, model_dir, layer_skip_draft, k):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-    spec = specdec.LLM(model_dir, dtype="float32", max_model_len=512, max_num_seqs=4,
+    spec = small_llm(model_dir, dtype="float32", max_model_len=512, max_num_seqs=4,
                        speculative=SpeculativeConfig(draft_model=layer_skip_draft, num_speculative_tokens=k))
     outs = spec.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == ref

@@ -12,6 +12,7 @@ import time
 
 import openai
 import pytest
+from helpers import small_llm
 from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import Http, ServerThread
 
@@ -43,10 +44,10 @@ def references(tiny_pair):
     """LLMs configured like each server (outside it), for the seeded-sampling references."""
     target, draft = tiny_pair
     return {
-        "plain": specdec.LLM(target, **ENGINE),
-        "ngram": specdec.LLM(target, speculative=specdec.SpeculativeConfig(method="ngram", num_speculative_tokens=3),
+        "plain": small_llm(target, **ENGINE),
+        "ngram": small_llm(target, speculative=specdec.SpeculativeConfig(method="ngram", num_speculative_tokens=3),
                              **ENGINE),
-        "draft": specdec.LLM(target, speculative=specdec.SpeculativeConfig(
+        "draft": small_llm(target, speculative=specdec.SpeculativeConfig(
             method="draft_model", draft_model=draft, num_speculative_tokens=3), **ENGINE),
     }
 
@@ -426,7 +427,16 @@ def test_models_health_and_metrics(servers):
     assert _sample(text, "specdec_spec_decode_mean_tokens_per_round") >= 1
     positions = [s for s in families["specdec_spec_decode_per_position_acceptance"].samples]
     assert {s.labels["position"] for s in positions} >= {"0"}
-    assert _sample(text, "specdec_kv_cache_blocks_used") >= 0
+    total = _sample(text, "specdec_kv_cache_blocks_total")
+    assert total == ENGINE["num_kv_blocks"]
+    assert _sample(text, "specdec_kv_cache_usage_ratio") == _sample(text, "specdec_kv_cache_blocks_used") / total
+    # once idle, the gauge shows every block back in the pool (the loop publishes after each iteration)
+    assert not server.wait_idle()["unfinished"]
+    deadline = time.monotonic() + 5.0
+    while (used := _sample(Http(server).get("/metrics")[1], "specdec_kv_cache_blocks_used")) and (
+            time.monotonic() < deadline):
+        time.sleep(0.02)
+    assert used == 0, "blocks still used once the server is idle"
 
 
 def test_graceful_shutdown_ends_in_flight_streams(tiny_pair):

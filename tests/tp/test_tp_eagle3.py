@@ -17,6 +17,7 @@ import oracle as lossless
 import pytest
 import torch
 from eagle3_helpers import HEAD_HEADS, HEAD_MLP, LAYERS, assert_pools_whole, prompts
+from helpers import small_llm
 from test_tp_engine import assert_lossless_under_tp
 from tiny_models import make_tiny_eagle3_head, make_tiny_model
 
@@ -61,8 +62,8 @@ def capture(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_capture_under_tp_matches_one_process(models):
     ids = prompts(1, seed=3, lo=30, hi=31)[0]
-    want_logits, want_aux = capture(LLM(models["target"], **OPTS), ids)
-    with LLM(models["target"], tensor_parallel_size=2, **OPTS) as llm:
+    want_logits, want_aux = capture(small_llm(models["target"], **OPTS), ids)
+    with small_llm(models["target"], tensor_parallel_size=2, **OPTS) as llm:
         logits, aux = capture(llm, ids)
     assert aux.shape == want_aux.shape == (len(ids), 3 * want_aux.shape[1] // 3)
     torch.testing.assert_close(aux, want_aux, atol=1e-5, rtol=1e-5)
@@ -72,11 +73,11 @@ def test_capture_under_tp_matches_one_process(models):
 @pytest.mark.parametrize("head,tree", [("structured", None), ("structured", "dynamic"), ("own_embedding", None)])
 def test_greedy_output_and_acceptance_match_one_process(models, head, tree):
     ps = prompts(4, seed=11)
-    plain = LLM(models["target"], **OPTS)
+    plain = small_llm(models["target"], **OPTS)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=ps, sampling_params=GREEDY)]
-    one = LLM(models["target"], speculative=eagle_spec(models[head], tree), max_num_seqs=4, **OPTS)
+    one = small_llm(models["target"], speculative=eagle_spec(models[head], tree), max_num_seqs=4, **OPTS)
     one_outs = one.generate(prompt_token_ids=ps, sampling_params=GREEDY)
-    with LLM(models["target"], tensor_parallel_size=2, speculative=eagle_spec(models[head], tree), max_num_seqs=4,
+    with small_llm(models["target"], tensor_parallel_size=2, speculative=eagle_spec(models[head], tree), max_num_seqs=4,
              **OPTS) as llm:
         outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
         assert_pools_whole(llm)
@@ -98,7 +99,8 @@ def test_drafts_match_one_process(models, head):
     logs, tokens = [], []
     for size in (1, 2):
         log = []
-        with LLM(models["target"], tensor_parallel_size=size, speculative=eagle_spec(models[head]), **OPTS) as llm:
+        spec = eagle_spec(models[head])
+        with small_llm(models["target"], tensor_parallel_size=size, speculative=spec, **OPTS) as llm:
             _spy_q(llm.engine.speculative.proposer, log)
             out = llm.generate(prompt_token_ids=ps, sampling_params=SAMPLED)[0].outputs[0]
         assert out.finish_reason == "length"
@@ -137,4 +139,4 @@ def test_a_sharded_head_is_refused(models):
     spec = SpeculativeConfig(method="eagle3", draft_model=models["structured"], num_speculative_tokens=3,
                              draft_tensor_parallel_size=2)
     with pytest.raises(ValueError, match="runs on rank 0 only"):
-        LLM(models["target"], tensor_parallel_size=2, speculative=spec, **OPTS)
+        small_llm(models["target"], tensor_parallel_size=2, speculative=spec, **OPTS)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import oracle as lossless
 import pytest
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
-from specdec import LLM, SamplingParams, SpeculativeConfig
+from specdec import SamplingParams, SpeculativeConfig
 
 PROMPTS = ["hello there, the cat", "the cat sat on the mat, the cat sat on the", "in the beginning"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -29,11 +30,11 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(pair):
     """The one-process engine's greedy tokens (no speculation)."""
-    return [o.outputs[0].token_ids for o in LLM(pair[0], **OPTS).generate(PROMPTS, GREEDY)]
+    return [o.outputs[0].token_ids for o in small_llm(pair[0], **OPTS).generate(PROMPTS, GREEDY)]
 
 
 def tp_tokens(target: str, spec: SpeculativeConfig | None = None) -> tuple[list[list[int]], dict]:
-    with LLM(target, tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
+    with small_llm(target, tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         procs = list(llm.engine.workers.procs)
         stats = llm.engine.stats
@@ -50,7 +51,7 @@ def test_plain_greedy_matches_one_process(pair, reference):
 def test_payloads_that_do_not_travel_inline_follow_as_a_broadcast(pair, reference):
     """A payload over the command message's inline room (a long prefill; specdec/distributed/channel.py) follows
     the header as a broadcast on the compute group: with the room made 0 on rank 0, every payload does."""
-    with LLM(pair[0], tensor_parallel_size=2, **OPTS) as llm:
+    with small_llm(pair[0], tensor_parallel_size=2, **OPTS) as llm:
         llm.engine.workers.channel.inline_limit = 0
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
@@ -79,9 +80,9 @@ def test_n_logprobs_and_prefix_caching_under_tp(pair):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2, logprobs=3)
     spec = SpeculativeConfig(draft_model=pair[1], num_speculative_tokens=3)
     shared = "the cat sat on the mat, the cat sat on the mat, and then"  # > 2 blocks of 4 tokens
-    one = LLM(pair[0], speculative=spec, **OPTS)
+    one = small_llm(pair[0], speculative=spec, **OPTS)
     want = one.generate([shared], params)[0]
-    with LLM(pair[0], tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
+    with small_llm(pair[0], tensor_parallel_size=2, speculative=spec, **OPTS) as llm:
         got = llm.generate([shared], params)[0]
         again = llm.generate([shared], params)[0]  # the same prompt again: its full blocks come from the cache
     assert len(got.outputs) == 2 and [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
@@ -112,7 +113,7 @@ def assert_lossless_under_tp(target: str, spec: SpeculativeConfig, label: str) -
     cfg, k = lossless.CONFIGS["top_k_top_p"], spec.num_speculative_tokens
     m = k + 2
     joint = lossless.exact_joint(lossless.target_prefix_logits(target, lossless.PROMPT, m), cfg, m)
-    with LLM(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256, kv_cache_memory_gb=0.02,
+    with small_llm(target, dtype="float32", max_model_len=32, block_size=4, max_num_seqs=256, kv_cache_memory_gb=0.02,
              speculative=spec, tensor_parallel_size=2) as llm:
         counts, metrics = lossless.run(llm, cfg, m, lossless.N, f"TP=2 {label} top_k_top_p k={k}")
     stat, bound = lossless.check(f"TP=2 {label}", counts, joint)
@@ -137,7 +138,7 @@ def test_bad_configurations_are_refused(pair, kwargs, spec, match):
     if spec is not None:
         speculative = SpeculativeConfig(**{"draft_model": pair[1], **spec})
     with pytest.raises(ValueError, match=match):
-        LLM(pair[0], speculative=speculative, **{**OPTS, **kwargs})
+        small_llm(pair[0], speculative=speculative, **{**OPTS, **kwargs})
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1])  # split (1 per rank) and replicated (1 on each of 2 ranks)
@@ -149,7 +150,7 @@ def test_kv_pool_is_sized_per_rank(tmp_path, num_kv_heads):
     make_tiny_model(target, model_type="qwen2", vocab_size=301, num_heads=4, num_kv_heads=num_kv_heads)
     budget_gb = 0.002
     budget = int(budget_gb * 2**30)
-    with LLM(target, dtype="float32", max_model_len=32, block_size=4, kv_cache_memory_gb=budget_gb,
+    with small_llm(target, dtype="float32", max_model_len=32, block_size=4, kv_cache_memory_gb=budget_gb,
              tensor_parallel_size=2) as llm:
         engine = llm.engine
         _, pool = engine.workers.shards[0]

@@ -9,9 +9,10 @@ import os
 import signal
 
 import pytest
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
 
 OPTS = {"dtype": "float32", "max_model_len": 64, "block_size": 4, "num_kv_blocks": 64}
 TIMEOUT_S = 2.0
@@ -26,7 +27,7 @@ def target(tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_worker_failure_ends_requests_with_an_error(target, sig):
-    llm = LLM(target, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTS)
+    llm = small_llm(target, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTS)
     engine = llm.engine
     worker = engine.workers.procs[0]
     try:
@@ -58,7 +59,7 @@ def test_worker_failure_ends_requests_with_an_error(target, sig):
 
 
 def test_shutdown_of_a_healthy_engine_stops_its_workers(target):
-    with LLM(target, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTS) as llm:
+    with small_llm(target, tensor_parallel_size=2, distributed_timeout_s=TIMEOUT_S, **OPTS) as llm:
         procs = list(llm.engine.workers.procs)
         out = llm.generate("hello", SamplingParams(temperature=0, max_tokens=3))[0]
         assert out.outputs[0].finish_reason == "length"

@@ -6,6 +6,7 @@ draft gives plain TP=2 greedy's tokens of the same target. (Refusals: test_tp_en
 from __future__ import annotations
 
 import pytest
+from helpers import small_llm
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.model.quant.linear import QuantizedLinear
@@ -17,7 +18,7 @@ OPTS = {"dtype": "float32", "max_model_len": 96, "block_size": 4, "num_kv_blocks
 
 def tokens(target: str, tp: int, **kwargs) -> tuple[list[list[int]], LLM, int]:
     """Greedy tokens of every prompt, the (shut down) engine for inspection, and the draft tokens accepted."""
-    with LLM(target, tensor_parallel_size=tp, **OPTS, **kwargs) as llm:
+    with small_llm(target, tensor_parallel_size=tp, **OPTS, **kwargs) as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
         assert llm.engine.stats["failed_requests"] == 0
     return [o.outputs[0].token_ids for o in outs], llm, sum(o.metrics.get("accepted", 0) for o in outs)

@@ -15,8 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import small_llm
 
-from specdec import LLM, SamplingParams
+from specdec import SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "docs" / "examples" / "tp_torchrun.py"
@@ -47,7 +48,7 @@ def example_tokens(target: str, *args: str, env: dict[str, str] | None = None) -
 @pytest.fixture(scope="module")
 def reference(tiny_pair):
     """One process's greedy tokens, with the example's sampling parameters."""
-    llm = LLM(tiny_pair[0], dtype="float32", kv_cache_memory_gb=0.01)
+    llm = small_llm(tiny_pair[0], dtype="float32", kv_cache_memory_gb=0.01)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
 
 
@@ -125,13 +126,13 @@ def as_torchrun_rank0(monkeypatch):
 @pytest.mark.parametrize("size", [4])
 def test_world_size_other_than_tensor_parallel_size_is_refused(tiny_pair, as_torchrun_rank0, size):
     with pytest.raises(ValueError, match="started by torchrun with WORLD_SIZE=2: .* tensor_parallel_size must be 2"):
-        LLM(tiny_pair[0], dtype="float32", tensor_parallel_size=size, num_kv_blocks=64)
+        small_llm(tiny_pair[0], dtype="float32", tensor_parallel_size=size, num_kv_blocks=64)
 
 
 def test_one_process_engines_under_a_torchrun_environment(tiny_pair, as_torchrun_rank0):
     """``tensor_parallel_size=1`` under torchrun's variables (data-parallel replicas, a DDP or SLURM job) is not a
     tensor-parallel launch: a one-process engine, no rendezvous (the fixture fails one), and it decodes."""
-    llm = LLM(tiny_pair[0], dtype="float32", tensor_parallel_size=1, num_kv_blocks=64)
+    llm = small_llm(tiny_pair[0], dtype="float32", tensor_parallel_size=1, num_kv_blocks=64)
     assert llm.engine.workers is None
     out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3
@@ -140,7 +141,7 @@ def test_one_process_engines_under_a_torchrun_environment(tiny_pair, as_torchrun
 def test_a_second_engine_in_one_launch_is_refused(tiny_pair, as_torchrun_rank0, monkeypatch):
     monkeypatch.setattr(as_torchrun_rank0, "_engine_started", True)  # as after the launch's first engine
     with pytest.raises(RuntimeError, match="one tensor-parallel engine"):
-        LLM(tiny_pair[0], dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
+        small_llm(tiny_pair[0], dtype="float32", tensor_parallel_size=2, num_kv_blocks=64)
 
 
 def test_launch_env_and_the_device_of_each_rank():

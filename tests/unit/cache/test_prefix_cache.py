@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
+from helpers import small_llm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.cache.block_manager import BlockManager
 from specdec.cache.prefix_cache import ROOT, block_key
@@ -144,7 +144,7 @@ def test_random_prefix_operations_keep_refcounts_and_never_leak(ops, block_size)
 
 # --- the engine ------------------------------------------------------------------------------------------------
 def make_llm(target, cache=True, speculative=None, **kwargs):
-    return specdec.LLM(target, dtype="float32", block_size=BS, max_model_len=kwargs.pop("max_model_len", 96),
+    return small_llm(target, dtype="float32", block_size=BS, max_model_len=kwargs.pop("max_model_len", 96),
                        enable_prefix_caching=cache, speculative=speculative, **kwargs)
 
 

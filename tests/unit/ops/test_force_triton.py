@@ -2,9 +2,9 @@
 interpreter), and plain and speculative generation give exactly the reference path's tokens."""
 
 import pytest
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig, ops
 
 
@@ -41,7 +41,7 @@ def test_kernels_are_really_used_when_forced(monkeypatch):
 def test_forced_triton_generation_equals_the_reference_path(pair, speculative):
     target, draft = pair
     spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=2) if speculative else None
-    llm = specdec.LLM(target, dtype="float32", block_size=4, max_model_len=64, speculative=spec)
+    llm = small_llm(target, dtype="float32", block_size=4, max_model_len=64, speculative=spec)
     prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
     params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=30, top_p=0.9, max_tokens=4, seed=3, ignore_eos=True)]

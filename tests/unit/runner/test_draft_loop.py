@@ -5,9 +5,9 @@ vocabulary), rounds it does not serve fall back to the step-by-step loop, and a 
 
 import pytest
 import torch
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.runner.draft_loop import DraftLoopRunner, sampling_kind
 from specdec.sampling.standardize import SamplingTensors
@@ -26,7 +26,7 @@ def prompts(n, seed=0):
 
 def engine(pair, loop: bool, k=3, **spec_kwargs):
     spec = SpeculativeConfig(draft_model=pair[1], num_speculative_tokens=k, **spec_kwargs)
-    llm = specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4, speculative=spec)
+    llm = small_llm(pair[0], dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4, speculative=spec)
     llm.engine.enable_static_forward("eager")
     if not loop:
         llm.engine.speculative.draft_model.loop = None

@@ -3,8 +3,8 @@ transformers oracle, with and without speculation, through stop truncation and s
 
 import pytest
 import torch
+from helpers import small_llm
 
-import specdec
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.sampling.logprobs import token_logprobs
 
@@ -13,10 +13,10 @@ TOP = 5
 
 
 @pytest.fixture(scope="module")
-def hf_model(pair):
+def hf_model(tiny_pair):
     import transformers
 
-    return transformers.LlamaForCausalLM.from_pretrained(pair[0], dtype=torch.float32).eval()
+    return transformers.LlamaForCausalLM.from_pretrained(tiny_pair[0], dtype=torch.float32).eval()
 
 
 SPEC_CONFIGS = {
@@ -30,9 +30,9 @@ SPEC_CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def spec_llms(pair):
-    return {method: specdec.LLM(pair[0], dtype="float32", block_size=4, max_model_len=256,
-                                speculative=config(pair[1]))
+def spec_llms(tiny_pair):
+    return {method: small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256,
+                                speculative=config(tiny_pair[1]))
             for method, config in SPEC_CONFIGS.items()}
 
 
@@ -76,20 +76,20 @@ PARAMS = {
 
 
 @pytest.mark.parametrize("name", list(PARAMS))
-def test_logprobs_equal_the_oracles_log_softmax(plain, hf_model, name):
+def test_logprobs_equal_the_oracles_log_softmax(tiny_pair_plain, hf_model, name):
     prompts = repetitive_prompts(3, seed=1)
-    outs = plain.generate(prompt_token_ids=prompts, sampling_params=PARAMS[name])
+    outs = tiny_pair_plain.generate(prompt_token_ids=prompts, sampling_params=PARAMS[name])
     for prompt, out in zip(prompts, outs):
         c = out.outputs[0]
         assert_matches_oracle(c, oracle_logprobs(hf_model, prompt, c.token_ids), TOP)
 
 
-def test_logprobs_are_raw_not_after_temperature_or_penalties(plain, hf_model):
+def test_logprobs_are_raw_not_after_temperature_or_penalties(tiny_pair_plain, hf_model):
     """The definition is checked, not just the numbers: at temperature 0.5 with a repetition penalty, the values
     are the raw log_softmax and measurably not the processed (tempered, penalised) one."""
     prompt = repetitive_prompts(1, seed=2)[0]
     params = SamplingParams(temperature=0.5, repetition_penalty=1.5, max_tokens=6, ignore_eos=True, seed=3, logprobs=0)
-    c = plain.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0]
+    c = tiny_pair_plain.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0]
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
     raw = torch.log_softmax(logits, -1)
@@ -102,7 +102,7 @@ def test_logprobs_are_raw_not_after_temperature_or_penalties(plain, hf_model):
 
 
 @pytest.mark.parametrize("method", list(SPEC_CONFIGS))
-def test_speculation_gives_the_same_logprobs(plain, spec_llms, hf_model, method):
+def test_speculation_gives_the_same_logprobs(tiny_pair_plain, spec_llms, hf_model, method):
     """Greedy: the same tokens with and without speculation, and the same numbers for them (a verified token j
     comes from row j of its window; mapping every token of a round to row 0 fails here). Sampled: speculative
     tokens differ from plain ones, so they are checked against the oracle for their own prefixes. Trees: a token
@@ -110,7 +110,7 @@ def test_speculation_gives_the_same_logprobs(plain, spec_llms, hf_model, method)
     llm = spec_llms[method]
     prompts = repetitive_prompts(4, seed=3)
     greedy = PARAMS["greedy"]
-    ref = plain.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    ref = tiny_pair_plain.generate(prompt_token_ids=prompts, sampling_params=greedy)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy)
     assert sum(o.metrics["accepted"] for o in outs) > 0  # rounds emitted several tokens
     for r, o in zip(ref, outs):
@@ -153,10 +153,10 @@ def mid_step_stop(tok, tokens, step_ends):
 
 
 @pytest.mark.parametrize("method", [None, "draft_model"])
-def test_logprobs_stay_aligned_after_stop_string_truncation(pair, plain, spec_llms, method):
+def test_logprobs_stay_aligned_after_stop_string_truncation(tiny_pair, tiny_pair_plain, spec_llms, method):
     """A stop string completed by a token in the middle of a step's tokens (mid-round when speculating): the
     tokens after it are dropped together with their logprobs."""
-    llm = plain if method is None else spec_llms[method]
+    llm = tiny_pair_plain if method is None else spec_llms[method]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     gen = torch.Generator().manual_seed(6)
     for _ in range(20):
@@ -195,8 +195,8 @@ def test_streamed_step_outputs_carry_aligned_growing_logprobs(spec_llms):
     assert all(len(v) == 14 for v in seen.values())
 
 
-def test_no_logprobs_unless_asked(plain):
-    out = plain.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=3, seed=0))[0]
+def test_no_logprobs_unless_asked(tiny_pair_plain):
+    out = tiny_pair_plain.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=3, seed=0))[0]
     assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
 
 
@@ -217,9 +217,9 @@ def test_bad_logprobs_are_refused(value):
         SamplingParams(logprobs=value)
 
 
-def test_bad_logprobs_set_after_construction_are_refused_at_add_request(plain):
+def test_bad_logprobs_set_after_construction_are_refused_at_add_request(tiny_pair_plain):
     params = SamplingParams(max_tokens=2)
     params.logprobs = 50
     with pytest.raises(ValueError, match="logprobs"):
-        plain.generate(prompt_token_ids=[1, 2], sampling_params=params)
-    assert not plain.engine.has_unfinished_requests()
+        tiny_pair_plain.generate(prompt_token_ids=[1, 2], sampling_params=params)
+    assert not tiny_pair_plain.engine.has_unfinished_requests()

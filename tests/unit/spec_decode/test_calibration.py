@@ -4,7 +4,8 @@ found them, and still decodes losslessly; nothing is timed where the costs are i
 
 from __future__ import annotations
 
-import specdec
+from helpers import small_llm
+
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.spec_decode.calibration import calibrate
 from specdec.spec_decode.cost_model import FixedCostModel, MeasuredCostModel
@@ -16,7 +17,7 @@ def adaptive_llm(tiny_pair, **spec_kwargs):
     target, draft = tiny_pair
     spec = SpeculativeConfig(method="draft_model", draft_model=draft, num_speculative_tokens=K, adaptive=True,
                              **spec_kwargs)
-    return specdec.LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64, speculative=spec)
+    return small_llm(target, dtype="float32", max_model_len=256, num_kv_blocks=64, speculative=spec)
 
 
 def test_an_adaptive_engine_starts_with_every_cost_key_measured(tiny_pair):

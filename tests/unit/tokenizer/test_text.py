@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from helpers import small_llm
 from tiny_models import make_tiny_model
 
-import specdec
 from specdec import SamplingParams
 from specdec.engine.detokenizer import _held_back, append_text
 from specdec.engine.sequence import Sequence
@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(model_dir):
-    return specdec.LLM(model_dir, dtype="float32", block_size=4, max_model_len=128)
+    return small_llm(model_dir, dtype="float32", block_size=4, max_model_len=128)
 
 
 TEXTS = ["Hello, world!", "naïve café — 日本語 🤖", "def f(x):\n    return x ** 2\n", "  spaces   and\ttabs",

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from helpers import small_llm
 from safetensors.torch import load_file
 from tiny_models import make_tiny_model
 
@@ -165,13 +166,12 @@ def test_unrolled_steps_match_the_dense_reference(trained, target):
 def test_trained_head_loads_drafts_losslessly_and_is_accepted(trained, untrained, target):
     """Greedy output with the head equals plain decoding; on its training prompts the trained head's tau clears
     MIN_TAU, and the untrained head (same init, no training) fails the same assertion."""
-    import specdec
     from specdec import SamplingParams
 
     out, _ = trained
     prompts = training_prompts(out)
     trained_run = acceptance(target, out, prompts, max_tokens=24, k=K, **LLM_KW)
-    plain = specdec.LLM(target, dtype="float32", **LLM_KW)
+    plain = small_llm(target, dtype="float32", **LLM_KW)
     want = plain.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=24,
                                                                                   ignore_eos=True))
     assert trained_run["token_ids"] == [list(o.outputs[0].token_ids) for o in want]
