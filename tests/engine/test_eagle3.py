@@ -1,6 +1,7 @@
 """EAGLE-3 heads (``SpeculativeConfig(method="eagle3")``): the published layout, the target's hidden-state capture,
-the drafts against an independent dense EAGLE-3 reference, and greedy parity in the engine (chains, static and
-dynamic trees, batch 1 and 4, prefill chunks), with every pool whole afterwards.
+the drafts against an independent dense EAGLE-3 reference, and the engine's tree policy, static forwards and
+adaptive hooks with every pool whole afterwards (greedy parity with plain decoding - chains, static and dynamic
+trees, batch 1 and 4, prefill chunks, block verification, adaptive k: tests/lossless/test_greedy_parity.py).
 
 The tiny target keeps its residual stream close to the token embedding (``layer_output_scale``), so that the
 "structured" tiny head of ``make_tiny_eagle3_head`` - attention onto its own entry, the target's LM head - drafts

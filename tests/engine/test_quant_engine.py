@@ -1,8 +1,9 @@
 """Quantised targets and drafts through the engine: loading quantises exactly what ``quantize_linears`` does,
-greedy speculative output equals greedy plain output of the same (quantised) target, a ``draft_model="self"``
-draft shares the target's embedding tensor, and bad settings are refused with a clear ValueError.
+a bf16 target with an int4 draft and a quantised draft head keep the plain greedy tokens, and bad settings are
+refused with a clear ValueError.
 (The sampling oracle with a quantised target and draft is tests/lossless/test_quant_lossless.py.)
 
+Greedy parity with int8 / int4 targets and quantised self drafts is in tests/lossless/test_greedy_parity.py.
 NOTE: the greedy-parity tests prove the engine's bookkeeping with quantised models, deterministically on these tiny
 models; on real models a quantised target's greedy tokens can differ between plain and speculative decoding on CPU
 (activation rounding amplifies the attention's shape-dependent rounding: docs/guarantees.md).

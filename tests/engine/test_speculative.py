@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model: greedy parity, self-speculation, rollback, guards, metrics, errors."""
+"""Speculative decoding with a draft model: self-speculation, rollback, guards, metrics, errors."""
 
 import json
 import os

@@ -1,6 +1,6 @@
-"""Token trees in the engine: greedy parity (fp32 CPU) with static and dynamic trees from the draft model and from
-model-free tries, trees mixed with plain rows and prefill chunks in one step, compaction across block boundaries,
-the batch-size policy, and no leaked blocks after random tree rounds."""
+"""Token trees in the engine: trees against chains, compaction across block boundaries, the batch-size policy, a
+failing tree request ending alone, seeded tree sampling, and no leaked blocks after random tree rounds (greedy
+parity with plain decoding, static and dynamic trees, draft-model and model-free: lossless/test_greedy_parity.py)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """``SpeculativeConfig(verify="block")`` through the real engine: lossless sampling against the exact oracle of
 tests/oracle.py (same tiny V = 4 target and draft, same chi-square and bound), a planted mutant it rejects,
-greedy parity with target-only decoding, seeded reproducibility, and the configuration / CLI surface."""
+seeded reproducibility (greedy parity: tests/lossless/test_greedy_parity.py), and the configuration / CLI surface."""
 
 from __future__ import annotations
 
