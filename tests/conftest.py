@@ -40,19 +40,7 @@ def tiny_pair(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_pair_plain(tiny_pair):
-    """Plain (target-only) LLM of ``tiny_pair``'s target: the reference for greedy parity."""
-    import specdec
+    """Plain (target-only) LLM of ``tiny_pair``'s target (small KV pool): the reference of greedy comparisons."""
+    from helpers import small_llm
 
-    return specdec.LLM(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256)
-
-
-@pytest.fixture(scope="session")
-def pair(tiny_pair):
-    """``tiny_pair`` under the short name the speculative engine tests use (a module may define its own)."""
-    return tiny_pair
-
-
-@pytest.fixture(scope="session")
-def plain(tiny_pair_plain):
-    """``tiny_pair_plain`` under the short name the speculative engine tests use."""
-    return tiny_pair_plain
+    return small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256)

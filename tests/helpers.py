@@ -1,6 +1,20 @@
-"""Assertions shared by generation tests."""
+"""Helpers shared by the engine tests: a small-pool LLM and a token-exact greedy comparison."""
 
 import torch
+
+import specdec
+
+# The tests' KV pool: 1/16 of LLM's default kv_cache_memory_gb (1.0). The tiny models' 512 bytes per token buy
+# 131k tokens with it - far more than any test fills - while the default pool costs ~1 GiB of RSS per engine.
+SMALL_KV_POOL_GB = 1 / 16
+
+
+def small_llm(model: str, **kwargs) -> specdec.LLM:
+    """``specdec.LLM(model, **kwargs)`` with a ``SMALL_KV_POOL_GB`` pool unless ``num_kv_blocks`` or
+    ``kv_cache_memory_gb`` is given (tests of the pool's sizing pass their own)."""
+    if "num_kv_blocks" not in kwargs:
+        kwargs.setdefault("kv_cache_memory_gb", SMALL_KV_POOL_GB)
+    return specdec.LLM(model, **kwargs)
 
 
 def assert_greedy_equal(got: list[int], expected: list[int], oracle_logits_fn=None, context: str = ""):

@@ -7,8 +7,8 @@ import threading
 import time
 
 import uvicorn
+from helpers import small_llm
 
-import specdec
 from specdec.serve.app import build_app
 
 
@@ -23,7 +23,7 @@ class ServerThread:
 
     def __init__(self, model: str, name: str = "tiny", max_waiting: int = 64, shutdown_timeout: float = 5.0,
                  **llm_kwargs):
-        self.llm = specdec.LLM(model, **llm_kwargs)
+        self.llm = small_llm(model, **llm_kwargs)
         self.name = name
         self.app = build_app(self.llm.engine, name, max_waiting=max_waiting, shutdown_timeout=shutdown_timeout)
         self.async_engine = self.app.state.async_engine

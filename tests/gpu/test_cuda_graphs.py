@@ -2,7 +2,7 @@
 
 Run on a CUDA machine with ``python -m pytest -m gpu tests/gpu`` (``python -m bench.gpu``'s tests step). Marked
 ``gpu``: excluded from the default run; selected without CUDA every test FAILS ("needs CUDA"). The CPU side of the
-same runner (buckets, padding rows, fallbacks, the compiled static forward) is tests/test_static_forward.py.
+same runner (buckets, padding rows, fallbacks, the compiled static forward) is tests/unit/runner/test_static_forward.py.
 
 Each case builds a tiny random llama on the GPU, runs a uniform batch (decode: q_len 1; verification: k + 1)
 through the eager ragged forward and through the runner's captured graph on copies of one KV pool, and compares
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_static_forward import BLOCK_SIZE, NUM_BLOCKS, K, uniform_batch
+from runner_helpers import BLOCK_SIZE, NUM_BLOCKS, K, uniform_batch
 from tiny_models import make_tiny_model
 
 from specdec.checkpoint.loader import load_model

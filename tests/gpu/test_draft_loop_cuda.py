@@ -1,7 +1,7 @@
 """The draft loop captured as one CUDA graph per bucket (specdec/runner/draft_loop.py) against the step-by-step
 draft loop on the same device: identical tokens and acceptance, greedy and sampled (fp32), and the program really
 replayed (no silent fallback). Marked ``gpu``; without CUDA every test FAILS ("needs CUDA"). The same program runs
-on CPU in mode "eager" in tests/test_draft_loop.py."""
+on CPU in mode "eager" in tests/unit/runner/test_draft_loop.py."""
 
 import pytest
 import torch

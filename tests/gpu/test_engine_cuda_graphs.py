@@ -1,7 +1,7 @@
 """The engine on CUDA with its CUDA graphs on (the default) against the same engine with ``enforce_eager=True``.
 
 Marked ``gpu`` (``python -m bench.gpu``'s tests step); selected without CUDA every test FAILS ("needs CUDA"). The
-same wiring runs on CPU in mode "eager" in tests/test_static_forward_engine.py. fp32 greedy: identical tokens;
+same wiring runs on CPU in mode "eager" in tests/engine/test_static_forward_engine.py. fp32 greedy: identical tokens;
 the graphs were really replayed (no silent fallback to eager) for the target's decodes and windows and for the
 draft model's steps.
 """

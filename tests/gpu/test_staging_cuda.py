@@ -4,7 +4,7 @@ forward, and the per-slot events that keep a stage's host writes from racing the
 
 Marked ``gpu``: excluded from the default run; selected without CUDA every test FAILS ("needs CUDA"). The CPU
 side (layout, growth, the separate-buffer copy path, prepare == the list-built metadata) is
-tests/test_staging.py.
+tests/unit/runner/test_staging.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from test_staging import _random_batch, reference_metadata, same_tensor, tree_mask_batch
+from runner_helpers import random_batch, reference_metadata, same_tensor, tree_mask_batch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.runner.model_runner import ModelRunner
@@ -65,7 +65,7 @@ def test_prepare_on_cuda_equals_the_list_built_metadata(block_size):
         bm.allocate(seq_id, rng.randint(1, 30))
         seqs[seq_id] = 0
     for _ in range(20):
-        items = _random_batch(rng, bm, seqs)
+        items = random_batch(rng, bm, seqs)
         expected = reference_metadata(items, bm)
         meta, ids, positions, logits_indices = runner.prepare(items)
         got = {"input_ids": ids, "positions": positions, "slot_mapping": meta.slot_mapping,

@@ -1,13 +1,13 @@
 """Whole engine steps on CUDA with ``torch.cuda.set_sync_debug_mode("error")``: nothing in a step may synchronise
 the stream but its host reads.
 
-tests/test_host_syncs.py counts a step's host reads on CPU (``.item()``-style reads and ``.tolist()``); it cannot
+tests/engine/test_host_syncs.py counts a step's host reads on CPU (``.item()``-style reads and ``.tolist()``); it cannot
 see the synchronisations a GPU makes elsewhere - ``torch.tensor(list, device="cuda")``, ``.to("cuda")`` of a
 pageable CPU tensor, indexing a CUDA tensor with a Python list (the index goes to the device through a blocking
 copy), ``nonzero``, ... Here every such call raises. The only synchronisation let through is ``Tensor.tolist()`` of
 a CUDA tensor - the step's host read - which is counted: one per plain step and per draft-model chain round; a
 draft-model tree round reads twice per depth and once to verify (the documented exception, docs/architecture.md
-"Host reads", pinned on CPU by tests/test_host_syncs.py).
+"Host reads", pinned on CPU by tests/engine/test_host_syncs.py).
 
 Steps are taken through the public API (``specdec.LLM(..., speculative=...)``, ``llm.engine.step()``): plain
 decoding, draft-model chains (the draft is the target itself) greedy and sampled, a draft-model tree, and a step

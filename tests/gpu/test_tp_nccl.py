@@ -1,5 +1,5 @@
-"""Tensor parallelism on NCCL (2 CUDA ranks: rank r on cuda:r): the CPU tests' checks (tests/test_tp_model.py,
-tests/test_tp_engine.py) on the NCCL path. The sharded forward gives the one-process logits (prefill chunks of
+"""Tensor parallelism on NCCL (2 CUDA ranks: rank r on cuda:r): the CPU tests' checks (tests/tp/test_tp_model.py,
+tests/tp/test_tp_engine.py) on the NCCL path. The sharded forward gives the one-process logits (prefill chunks of
 two sequences, decodes, a tree window with a mask) for split, whole and replicated kv heads, tied and untied;
 ``LLM(tensor_parallel_size=2)`` gives the one-GPU engine's greedy tokens, plain and with a sharded draft.
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tp_model import BLOCK_SIZE, BLOCKS, MAX_POS, VARIANTS, VOCAB, write_variants
-from test_tp_model import run_forwards as cpu_run_forwards
 from tiny_models import make_tiny_model
+from tp_helpers import BLOCK_SIZE, BLOCKS, MAX_POS, VARIANTS, VOCAB, write_variants
+from tp_helpers import run_forwards as cpu_run_forwards
 
 from specdec import LLM, SamplingParams, SpeculativeConfig
 from specdec.cache.kv_pool import KVPool
@@ -55,7 +55,7 @@ def workers(checkpoints):
 
 
 def run_forwards(model, pool) -> torch.Tensor:
-    """tests/test_tp_model.py's forwards (prefill chunks, decodes, a tree window), on cuda:0."""
+    """tests/tp/test_tp_model.py's forwards (prefill chunks, decodes, a tree window), on cuda:0."""
     return cpu_run_forwards(model, pool, CUDA)
 
 

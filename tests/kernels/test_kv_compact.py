@@ -9,7 +9,7 @@ import torch
 
 from specdec import ops
 from specdec.cache.block_manager import BlockManager
-from specdec.cache.kv_compaction import compaction_slots
+from specdec.spec_decode.accepted_path import accepted_path_moves as compaction_slots
 from specdec.kernels import kv_compact as kc
 from specdec.kernels.kv_compact import kv_compact, kv_compact_reference
 

@@ -18,10 +18,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import small_llm
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-import specdec
 from specdec.checkpoint import loader
 from specdec.model.linear import prepack_linears, prepack_supported
 from tests.tiny_models import make_tiny_model
@@ -70,7 +70,7 @@ def live_tensor_bytes() -> int:
 def engine_bytes(path: str) -> tuple[int, int, int]:
     """(bytes the engine's creation left alive, its weights' bytes in the running dtype, its KV pool's bytes)."""
     before = live_tensor_bytes()
-    llm = specdec.LLM(path, dtype=DTYPE, num_kv_blocks=16, block_size=16, max_model_len=128)
+    llm = small_llm(path, dtype=DTYPE, num_kv_blocks=16, block_size=16, max_model_len=128)
     held = live_tensor_bytes() - before
     model = llm.engine.model
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # meta (released) ones too; tied once

@@ -4,8 +4,8 @@ parameters (embedding, norms, a tied head's packed copy) + the KV pool; the muta
 fp32 rows beside its quantised copy is rejected."""
 
 import pytest
+from helpers import small_llm
 
-import specdec
 from specdec.checkpoint import quant_load
 from specdec.model.quant.linear import QuantizedLinear
 from tests.model.test_footprint import live_tensor_bytes, make_small_model
@@ -20,7 +20,7 @@ def census(path: str, quantization: str) -> tuple[int, int, int]:
     """(bytes the engine left alive, bytes it should hold: quantised linears + other tensors + pool, the linears'
     bytes in bf16)."""
     before = live_tensor_bytes()
-    llm = specdec.LLM(path, dtype="bfloat16", num_kv_blocks=16, block_size=16, max_model_len=128,
+    llm = small_llm(path, dtype="bfloat16", num_kv_blocks=16, block_size=16, max_model_len=128,
                       quantization=quantization)
     held = live_tensor_bytes() - before
     model = llm.engine.model

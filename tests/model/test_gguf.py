@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face directory conversion (`specdec.model.gguf`) and the default-model cache.
+"""GGUF -> Hugging Face directory conversion (`specdec.checkpoint.gguf`) and the default-model cache.
 
 The oracle is transformers' own GGUF loader: the real SmolLM2 file (Q4_1, rope-permuted Q/K) must give the same
 logits through our converted directory as through `from_pretrained(..., gguf_file=...)`, and so must tiny

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import small_llm
 
 from specdec.model.linear import PREPACK_MIN_ROWS, Linear, prepack_linears, prepack_supported
 
@@ -130,7 +131,7 @@ def test_target_and_draft_models_follow_the_engine_setting(tiny_pair, setting):
     import specdec
 
     target, draft = tiny_pair
-    llm = specdec.LLM(target, dtype="float32", prepack_weights=setting,
+    llm = small_llm(target, dtype="float32", prepack_weights=setting,
                       speculative=specdec.SpeculativeConfig(draft_model=draft, num_speculative_tokens=2))
     draft_model = llm.engine.speculative.proposer.runner.model
     for model in (llm.engine.model, draft_model):
@@ -189,12 +190,12 @@ def test_bf16_model_is_prepacked_and_prompt_lookup_matches_plain_greedy(tiny_pai
     import specdec
 
     target, _ = tiny_pair
-    llm = specdec.LLM(target, dtype="bfloat16")
+    llm = small_llm(target, dtype="bfloat16")
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None and m.packed_bf16 for m in linears)
     params = specdec.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = [[3, 17, 5, 9, 3, 17]]
     packed = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0].token_ids
-    spec = specdec.LLM(target, dtype="bfloat16", speculative=specdec.SpeculativeConfig(
+    spec = small_llm(target, dtype="bfloat16", speculative=specdec.SpeculativeConfig(
         method="prompt_lookup", num_speculative_tokens=3))
     assert spec.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0].token_ids == packed

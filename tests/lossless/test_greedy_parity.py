@@ -1,0 +1,244 @@
+"""Greedy speculative decoding emits the plain greedy tokens, token for token, in float32 on CPU - one parametrised
+matrix over the speculative configurations (docs/guarantees.md, "Greedy").
+
+Every case builds ``specdec.LLM`` with one speculative configuration, generates a prompt set greedily and compares
+with the plain (target-only) LLM of the same target on the same prompts. Besides the tokens, every case checks that
+drafts were accepted (the drafter really drafted), that rounds were also rejected unless the case says otherwise (so
+the rollback path ran), and that every block pool is whole afterwards; a case may add its own checks.
+
+Axes: the draft model at k = 1..8, block verification, static and dynamic draft-model trees, prompt lookup and the
+n-gram table (chains and trees), combined drafting, adaptive k, EAGLE-3 heads (chains, trees, a smaller head
+vocabulary, block verification, adaptive k), reduced draft vocabularies (``draft_vocab=``), quantised targets and
+quantised self drafts, greedy requests with penalties, batch 1 and 4, and steps that mix prefill chunks, plain rows
+and rounds (a small token budget, requests near ``max_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from eagle3_helpers import DRAFT_IDS, HEAD_HEADS, HEAD_MLP, LAYERS
+from helpers import small_llm
+from tiny_models import make_tiny_eagle3_head, make_tiny_model
+
+from specdec import SamplingParams, SpeculativeConfig
+from specdec.model.quant.linear import QuantizedLinear
+
+VOCAB = 300  # tiny_models' default, both targets
+SUBSET = [t for t in range(VOCAB) if t % 3]  # a reduced draft vocabulary: every id not divisible by 3
+
+
+def random_prompts(n, seed, lo=3, hi=40):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (int(torch.randint(lo, hi, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+def repetitive_prompts(n, seed):
+    """Each prompt a random unit repeated 4 times: prompt lookup and the n-gram table find something to match."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 257, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist() * 4
+            for _ in range(n)]
+
+
+def greedy(max_tokens, **penalties):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **penalties)
+
+
+# name -> (prompts, sampling params per prompt)
+PROMPT_SETS = {
+    "random": (random_prompts(6, seed=1), [greedy(24)] * 6),
+    "repetitive": (repetitive_prompts(6, seed=2), [greedy(32)] * 6),
+    # long prompts chunked by a 24-token budget into steps shared with rounds; requests near max_tokens take plain
+    # steps in those same steps (pair it with max_num_batched_tokens=24)
+    "mixed": (random_prompts(3, seed=7, lo=3, hi=8) + random_prompts(2, seed=8, lo=60, hi=90),
+              [greedy(m) for m in (24, 2, 17, 24, 9)]),
+    "penalties": (random_prompts(6, seed=3),
+                  [greedy(24, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)] * 6),
+}
+TARGET_OPTS = {"pair": {"max_model_len": 256}, "eagle": {"max_model_len": 128}}
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    spec: Callable[[dict], dict]  # model folders -> SpeculativeConfig kwargs
+    target: str = "pair"  # "pair": tiny_pair's target (conftest.py); "eagle": test_eagle3's target
+    batch: int = 4  # max_num_seqs of the speculative LLM
+    prompts: str = "random"  # a PROMPT_SETS key
+    quantization: str | None = None  # the target's, for the plain and the speculative LLM alike
+    llm: dict = field(default_factory=dict)  # more speculative-LLM options
+    rejects: bool = True  # rounds that reject must occur (accepted < drafted)
+    check: Callable | None = None  # check(llm, outs, dirs): the case's own assertions
+
+
+def rolls_back_blocks(llm, outs, dirs):
+    """Rejected drafts that crossed a block boundary gave their blocks back."""
+    assert llm.engine.stats["rollback_freed_blocks"] > 0
+
+
+def rounds_accept_all_and_reject(llm, outs, dirs):
+    rounds = sum(o.metrics["num_rounds"] for o in outs)
+    rejected_rounds = sum(round(o.metrics["accepted"] / o.metrics["alpha"]) - o.metrics["accepted"]
+                          for o in outs if o.metrics["alpha"])
+    assert 0 < rejected_rounds < rounds  # some rounds all accepted, some rejected
+    rolls_back_blocks(llm, outs, dirs)
+
+
+def emits_ids_outside(ids):
+    def check(llm, outs, dirs):
+        assert any(t not in ids for o in outs for t in o.outputs[0].token_ids), "every emitted id is in the draft's"
+    return check
+
+
+def shares_the_embedding_and_quantises(llm, outs, dirs):
+    draft = llm.engine.speculative.proposer.runner.model
+    assert draft.embed_tokens.weight is llm.engine.model.embed_tokens.weight  # shared, not copied
+    assert isinstance(draft.layers[0].mlp.down_proj, QuantizedLinear)
+
+
+def cuts_the_head_to_the_subset(llm, outs, dirs):
+    proposer = llm.engine.speculative.proposer
+    model = getattr(proposer, "draft_model", proposer).runner.model
+    assert model.lm_head.out_features == len(SUBSET)
+    emits_ids_outside(set(SUBSET))(llm, outs, dirs)
+    if model is not llm.engine.model and model.embed_tokens.weight is llm.engine.model.embed_tokens.weight:
+        assert llm.engine.model.lm_head.out_features == VOCAB  # a self draft's cut leaves the target's head whole
+
+
+def draft(k, **kw):
+    return lambda d: {"draft_model": d["draft"], "num_speculative_tokens": k, **kw}
+
+
+def tree(shape, k=4, **kw):
+    return lambda d: {"draft_model": d["draft"], "num_speculative_tokens": k, "tree": shape, "tree_policy": "always",
+                      "tree_budget": 10, **kw}
+
+
+def model_free(method, **kw):
+    return lambda d: {"method": method, "num_speculative_tokens": 4, **kw}
+
+
+def eagle(head="structured", **kw):
+    return lambda d: {"method": "eagle3", "draft_model": d[head], "num_speculative_tokens": 3, "tree_budget": 8,
+                      "tree_policy": "always", **kw}
+
+
+def reduced(**kw):
+    return lambda d: {"draft_model": d["draft"], "num_speculative_tokens": 4, "draft_vocab": d["subset"], **kw}
+
+
+CASES = [
+    # the draft model: chain length and batch
+    *[Case(f"draft_model-k{k}-b{b}", draft(k), batch=b, check=rounds_accept_all_and_reject)
+      for k, b in ((1, 1), (3, 4), (5, 1), (8, 4))],
+    Case("draft_model-penalties", draft(4), prompts="penalties"),
+    Case("draft_model-bf16_draft", draft(3, draft_dtype="bfloat16")),
+    Case("draft_model-mixed_steps", draft(3), batch=5, prompts="mixed", llm={"max_num_batched_tokens": 24}),
+    Case("block_verify-b1", draft(4, verify="block"), batch=1),
+    Case("block_verify-b4", draft(4, verify="block")),
+    Case("draft_model-adaptive", draft(4, adaptive=True), prompts="repetitive"),
+    # draft-model trees, static and dynamic
+    Case("tree-2211-b1", tree([2, 2, 1, 1]), batch=1),
+    Case("tree-31-b4", tree([3, 1])),
+    Case("tree-1111-b4", tree([1, 1, 1, 1])),
+    Case("tree-dynamic-b1", tree("dynamic"), batch=1),
+    Case("tree-dynamic-b4", tree("dynamic")),
+    Case("tree-mixed_steps", tree([2, 2, 1], k=3), batch=5, prompts="mixed", llm={"max_num_batched_tokens": 24}),
+    # model-free drafters, chains and trees
+    *[Case(f"{m}-b{b}", model_free(m, **({"prompt_lookup_min": 1} if m == "prompt_lookup" else {})), batch=b,
+           prompts="repetitive", check=rolls_back_blocks)
+      for m in ("ngram", "prompt_lookup") for b in (1, 4)],
+    *[Case(f"{m}-tree-{'dynamic' if s == 'dynamic' else 'static'}", model_free(m, tree=s, tree_policy="always"),
+           prompts="repetitive") for m in ("prompt_lookup", "ngram") for s in ([3, 2, 1, 1], "dynamic")],
+    # combined: prompt lookup where it matches, the draft model (or the n-gram table) elsewhere
+    *[Case(f"combined-b{b}", draft(3, method="combined"), batch=b, prompts="repetitive", check=rolls_back_blocks)
+      for b in (1, 4)],
+    Case("combined-ngram-adaptive", draft(3, method="combined", combined_lookup="ngram", adaptive=True),
+         prompts="repetitive"),
+    # EAGLE-3 heads
+    Case("eagle3-chain-b1", eagle(), target="eagle", batch=1),
+    Case("eagle3-chain-b4", eagle(), target="eagle"),
+    Case("eagle3-tree-221-b4", eagle(tree=[2, 2, 1]), target="eagle"),
+    Case("eagle3-tree-dynamic-b1", eagle(tree="dynamic"), target="eagle", batch=1),
+    Case("eagle3-tree-dynamic-b4", eagle(tree="dynamic"), target="eagle"),
+    *[Case(f"eagle3-draft_vocab-{name}", eagle("head_vocab", tree=shape), target="eagle", rejects=False,
+           check=emits_ids_outside(set(DRAFT_IDS))) for name, shape in (("chain", None), ("tree-dynamic", "dynamic"))],
+    *[Case(f"eagle3-mixed_steps-{name}", eagle(tree=shape), target="eagle", batch=5, prompts="mixed",
+           llm={"max_num_batched_tokens": 24}, rejects=False)
+      for name, shape in (("chain", None), ("tree", [2, 2, 1]))],
+    Case("eagle3-block_verify", eagle(verify="block"), target="eagle", rejects=False),
+    Case("eagle3-adaptive", eagle(adaptive=True), target="eagle", rejects=False),
+    # reduced draft vocabularies
+    Case("draft_vocab-chain", reduced(), check=cuts_the_head_to_the_subset),
+    Case("draft_vocab-combined", reduced(method="combined"), prompts="repetitive", check=cuts_the_head_to_the_subset),
+    Case("draft_vocab-self", lambda d: {**reduced()(d), "draft_model": "self"}, rejects=False,
+         check=cuts_the_head_to_the_subset),
+    # quantised targets (int8: the w8a8 path; int4) and quantised self drafts
+    *[Case(f"quantised_target-{q}", draft(3), quantization=q) for q in ("int8", "int4")],
+    *[Case(f"self_draft-{q or 'fp32'}-{dq}", lambda d, dq=dq: {"draft_model": "self", "draft_quantization": dq,
+                                                               "num_speculative_tokens": 4},
+           quantization=q, rejects=False, check=shares_the_embedding_and_quantises)
+      for q, dq in ((None, "int4"), (None, "int8"), ("int8", "int4"))],
+]
+
+
+@pytest.fixture(scope="module")
+def dirs(tiny_pair, tmp_path_factory) -> dict[str, str]:
+    """Model folders: tiny_pair's target and draft, test_eagle3's target and two of its heads, a SUBSET file."""
+    root = tmp_path_factory.mktemp("parity")
+    out = {"target": tiny_pair[0], "draft": tiny_pair[1], "eagle_target": str(root / "eagle_target"),
+           "structured": str(root / "structured"), "head_vocab": str(root / "head_vocab"),
+           "subset": str(root / "subset.json")}
+    make_tiny_model(out["eagle_target"], "llama", seed=3, num_layers=LAYERS, layer_output_scale=0.3)
+    for name, kw in (("structured", {"seed": 1}), ("head_vocab", {"seed": 2, "draft_ids": DRAFT_IDS})):
+        make_tiny_eagle3_head(out[name], out["eagle_target"], num_heads=HEAD_HEADS, intermediate_size=HEAD_MLP, **kw)
+    with open(out["subset"], "w") as f:
+        json.dump(SUBSET, f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(dirs):
+    """``reference(target, quantization, prompt_set)``: the plain LLM's greedy tokens, computed once per key (the
+    plain engines are dropped once the module is done)."""
+    engines, tokens = {}, {}
+
+    def get(target, quantization, prompt_set):
+        if (target, quantization, prompt_set) not in tokens:
+            if (target, quantization) not in engines:
+                path = dirs["target"] if target == "pair" else dirs["eagle_target"]
+                engines[target, quantization] = small_llm(path, dtype="float32", block_size=4,
+                                                          quantization=quantization, **TARGET_OPTS[target])
+            prompts, params = PROMPT_SETS[prompt_set]
+            outs = engines[target, quantization].generate(prompt_token_ids=prompts, sampling_params=params)
+            tokens[target, quantization, prompt_set] = [o.outputs[0].token_ids for o in outs]
+        return tokens[target, quantization, prompt_set]
+
+    return get
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_greedy_speculative_equals_plain(dirs, reference, case):
+    expected = reference(case.target, case.quantization, case.prompts)
+    path = dirs["target"] if case.target == "pair" else dirs["eagle_target"]
+    llm = small_llm(path, dtype="float32", block_size=4, quantization=case.quantization, max_num_seqs=case.batch,
+                    speculative=SpeculativeConfig(**case.spec(dirs)), **TARGET_OPTS[case.target], **case.llm)
+    prompts, params = PROMPT_SETS[case.prompts]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs), [o.error for o in outs]
+    drafted = sum(o.metrics["drafted"] for o in outs)
+    accepted = sum(o.metrics["accepted"] for o in outs)
+    assert accepted > 0, "no draft was accepted: the case proves nothing about verification"
+    if case.rejects:
+        assert accepted < drafted, "no draft was rejected: the rollback path never ran"
+    for bm in llm.engine.block_managers:  # the target's pool, then the drafter's (if it has one)
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks
+    if case.check is not None:
+        case.check(llm, outs, dirs)
