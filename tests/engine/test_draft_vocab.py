@@ -9,6 +9,7 @@ from tiny_models import make_tiny_model
 import specdec
 from specdec import SamplingParams
 from specdec.spec_decode.proposers.draft_model import UNKNOWN_ID_STANDIN
+from specdec.spec_decode.round import SpeculativeRound
 
 TARGET_VOCAB, DRAFT_VOCAB = 300, 280
 # prompts with ids the draft lacks (>= 280); the byte tokenizer has 262 ids, so all are token-id prompts
@@ -62,16 +63,17 @@ def test_greedy_output_equals_the_target_and_the_draft_never_sees_unknown_ids(mo
 
 def test_sampling_with_penalties_runs_and_drafts_stay_in_the_draft_vocab(models, monkeypatch):
     _, spec = models
-    verify = spec.engine.speculative.verify_round
+    verify = SpeculativeRound.verify
     drafted: list[int] = []
 
-    def spy(logits, draft_round, meta, out):
+    def spy(self, logits, out):
+        meta = self.meta
         drafted.extend(meta.draft_token_ids.tolist())
         if meta.draft_probs is not None:
             assert torch.all(meta.draft_probs[:, DRAFT_VOCAB:] == 0), "q must be zero on ids the draft does not have"
-        return verify(logits, draft_round, meta, out)
+        return verify(self, logits, out)
 
-    monkeypatch.setattr(spec.engine.speculative, "verify_round", spy)
+    monkeypatch.setattr(SpeculativeRound, "verify", spy)
     params = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.3, frequency_penalty=0.5,
                             max_tokens=40, seed=7, ignore_eos=True)
     outs = spec.generate(prompt_token_ids=PROMPTS, sampling_params=params)

@@ -37,6 +37,7 @@ from specdec import SamplingParams, SpeculativeConfig
 from specdec.checkpoint.eagle3 import published_tensors
 from specdec.model.eagle3 import Eagle3Config, default_aux_layers
 from specdec.runner.model_runner import ForwardItem
+from specdec.spec_decode.round import SpeculativeRound
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -233,7 +234,7 @@ def test_no_capture_without_an_eagle_proposer(target, heads, monkeypatch):
     plain_llm.generate(prompt_token_ids=prompts(2, seed=4), sampling_params=GREEDY)
     assert not calls
     llm = eagle_llm(target, heads["structured"])
-    assert llm.engine.speculative.aux_hidden_layers == default_aux_layers(LAYERS)
+    assert llm.engine.speculative.proposer.aux_hidden_layers == default_aux_layers(LAYERS)
     assert llm.engine.block_manager.prefix_cache is None
 
 
@@ -332,20 +333,21 @@ def test_measured_tree_policy_chooses_eagle3_trees_by_value(target, heads, plain
     assert_pools_whole(llm)
 
 
-def test_one_token_prompts_and_sampling_with_penalties(target, heads):
+def test_one_token_prompts_and_sampling_with_penalties(target, heads, monkeypatch):
     """A one-token prompt drafts from its second step on (nothing to feed the head before); sampled requests
     with penalties and filters run and are reproducible by seed."""
     llm = eagle_llm(target, heads["draft_vocab"], max_num_seqs=4)
-    verify = llm.engine.speculative.verify_round
+    verify = SpeculativeRound.verify
     drafted: list[int] = []
 
-    def spy(logits, draft_round, meta, out):
+    def spy(self, logits, out):
+        meta = self.meta
         drafted.extend(meta.draft_token_ids.tolist())
         outside = torch.ones(VOCAB, dtype=torch.bool).index_fill_(0, torch.tensor(DRAFT_IDS), False)
         assert not bool(meta.draft_probs[:, outside].any()), "q must be zero outside the draft vocabulary"
-        return verify(logits, draft_round, meta, out)
+        return verify(self, logits, out)
 
-    llm.engine.speculative.verify_round = spy
+    monkeypatch.setattr(SpeculativeRound, "verify", spy)
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, repetition_penalty=1.2, frequency_penalty=0.3,
                             max_tokens=20, seed=5, ignore_eos=True)
     ps = [[7], [8, 9], *prompts(2, seed=30)]
@@ -369,17 +371,21 @@ def test_static_forwards_change_no_greedy_token(target, heads, plain):
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert sum(o.metrics["accepted"] for o in outs) > 0
     # the target's pool lends one block to the padding rows; the head has no static path (and no scratch block)
-    assert llm.engine.speculative.draft_model is None and llm.engine.runner.static is not None
+    assert llm.engine.speculative.proposer.draft_model is None and llm.engine.runner.static is not None
     target_pool, head_pool = llm.engine.block_managers
     assert target_pool.num_free_blocks == target_pool.num_blocks - 1
     assert head_pool.num_free_blocks == head_pool.num_blocks
 
 
 def test_reset_adaptive_hooks_the_heads_draft_timings_to_the_fresh_cost_model(target, heads):
-    """``SpeculativeDecoder.reset_adaptive`` (a cold start after a warm-up) gives the head's timed draft steps to
+    """``SpeculationPolicy.reset_adaptive`` (a cold start after a warm-up) gives the head's timed draft steps to
     the new cost model, not the forgotten one."""
-    decoder = eagle_llm(target, heads["structured"], adaptive=True).engine.speculative
-    old = decoder.cost_model
-    decoder.reset_adaptive()
-    assert decoder.cost_model is not old
-    assert decoder.proposer.on_forward == decoder.cost_model.observe_draft
+    speculator = eagle_llm(target, heads["structured"], adaptive=True).engine.speculative
+    policy = speculator.policy
+    old = policy.cost_model
+    policy.reset_adaptive()
+    assert policy.cost_model is not old
+    seen = []
+    policy.cost_model.observe_draft = lambda batch_size, seconds: seen.append((batch_size, seconds))
+    speculator.proposer.on_forward(3, 0.25)  # what the head calls after a timed draft step
+    assert seen == [(3, 0.25)]

@@ -21,7 +21,7 @@ from helpers import small_llm
 import specdec
 import specdec.engine.output_processor as output_processor_module
 import specdec.engine.plain_step as plain_step_module
-import specdec.spec_decode.decoder as speculative_module
+import specdec.spec_decode.round as round_module
 from specdec import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [20, 21]]
@@ -59,7 +59,7 @@ def engines(tiny_pair, tmp_path_factory):
 
 def _target_forward_name(engine) -> str:
     """The runner method the step's target forward is: an EAGLE-3 engine's captures the head's hidden states."""
-    return "forward_with_aux_hidden" if engine.speculative and engine.speculative.aux_hidden_layers else "forward"
+    return "forward_with_aux_hidden" if engine.speculative and engine.speculative.proposer.aux_hidden_layers else "forward"
 
 
 def _pools(engine):
@@ -120,7 +120,7 @@ def _inject(monkeypatch, engine, stage: str) -> None:
             return (logits, *out[1:]) if isinstance(out, tuple) else logits
 
         monkeypatch.setattr(engine.runner, name, faulty_forward)
-    elif stage == "draft_nan_logits" and engine.speculative.aux_hidden_layers:  # an EAGLE-3 head's forward
+    elif stage == "draft_nan_logits" and engine.speculative.proposer.aux_hidden_layers:  # an EAGLE-3 head's forward
         proposer = engine.speculative.proposer
         head_forward = proposer._forward
 
@@ -166,7 +166,7 @@ def _inject(monkeypatch, engine, stage: str) -> None:
 
         monkeypatch.setattr(plain_step_module, "sample_next_tokens", faulty_sample)
     elif stage == "verify":
-        verify = speculative_module.verify_round
+        verify = round_module.verify_round
 
         def faulty_verify(logits, meta, sampling, out, **kwargs):
             if victim_ids(verifying["requests"]):
@@ -174,14 +174,14 @@ def _inject(monkeypatch, engine, stage: str) -> None:
             return verify(logits, meta, sampling, out, **kwargs)
 
         verifying = {}
-        decoder_verify = engine.speculative.verify_round
+        round_verify = round_module.SpeculativeRound.verify
 
-        def remember_requests(logits, draft_round, meta, out):  # the round's requests, for faulty_verify
-            verifying["requests"] = draft_round.requests
-            return decoder_verify(logits, draft_round, meta, out)
+        def remember_requests(self, logits, out):  # the round's requests, for faulty_verify
+            verifying["requests"] = self.requests
+            return round_verify(self, logits, out)
 
-        monkeypatch.setattr(engine.speculative, "verify_round", remember_requests)
-        monkeypatch.setattr(speculative_module, "verify_round", faulty_verify)
+        monkeypatch.setattr(round_module.SpeculativeRound, "verify", remember_requests)
+        monkeypatch.setattr(round_module, "verify_round", faulty_verify)
     elif stage == "rollback":
         truncate_to = engine.block_manager.truncate_to
 

@@ -51,7 +51,7 @@ def test_speculative_engine_static_equals_eager(tiny_pair):
     engine = llm(*tiny_pair)
     outs = engine.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert tokens(outs) == ref
-    target, draft = engine.engine.runner.static, engine.engine.speculative.draft_model.runner.static
+    target, draft = engine.engine.runner.static, engine.engine.speculative.proposer.draft_model.runner.static
     assert draft.num_replays > 0  # one-token draft steps
     assert any(key.q_len > 1 for key in target._batches)  # chain windows of one length for the whole batch
     for bm in engine.engine.block_managers:

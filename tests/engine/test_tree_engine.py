@@ -7,6 +7,7 @@ import torch
 from helpers import small_llm
 
 from specdec import SamplingParams, SpeculativeConfig
+from specdec.spec_decode.round import SpeculativeRound
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -121,15 +122,15 @@ def test_a_failing_tree_request_ends_alone(tiny_pair, tiny_pair_plain, monkeypat
     llm = tree_llm(tiny_pair[0], SpeculativeConfig(draft_model=tiny_pair[1], num_speculative_tokens=3,
                                                    tree_policy="always", tree=[2, 1, 1]), max_num_seqs=4)
     victim = ps[2]
-    real = llm.engine.speculative.verify_round
+    real = SpeculativeRound.verify
 
-    def faulty(logits, draft_round, meta, out):
-        assert meta.trees is not None, "a chain round: the test would prove nothing about trees"
-        if any(s.prompt_token_ids == victim and len(s.output_token_ids) >= 3 for s in draft_round.requests):
+    def faulty(self, logits, out):
+        assert self.meta.trees is not None, "a chain round: the test would prove nothing about trees"
+        if any(s.prompt_token_ids == victim and len(s.output_token_ids) >= 3 for s in self.requests):
             raise RuntimeError("tree verification failed for the victim")
-        return real(logits, draft_round, meta, out)
+        return real(self, logits, out)
 
-    monkeypatch.setattr(llm.engine.speculative, "verify_round", faulty)
+    monkeypatch.setattr(SpeculativeRound, "verify", faulty)
     outs = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
     assert outs[2].outputs[0].finish_reason == "error" and "victim" in outs[2].error
     assert [o.outputs[0].token_ids for i, o in enumerate(outs) if i != 2] == [r for i, r in enumerate(ref) if i != 2]

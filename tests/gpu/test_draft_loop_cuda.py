@@ -34,7 +34,7 @@ def test_captured_draft_loop_equals_the_step_by_step_loop(models, params, no_tf3
         llm = specdec.LLM(models[0], dtype="float32", device="cuda", block_size=16, max_model_len=256,
                           speculative=SpeculativeConfig(draft_model=models[1], num_speculative_tokens=4))
         if not loop:
-            llm.engine.speculative.draft_model.loop = None
+            llm.engine.speculative.proposer.draft_model.loop = None
         return llm
 
     def run(llm):
@@ -44,7 +44,7 @@ def test_captured_draft_loop_equals_the_step_by_step_loop(models, params, no_tf3
 
     with_loop = make(True)
     got = run(with_loop)
-    loop = with_loop.engine.speculative.draft_model.loop
+    loop = with_loop.engine.speculative.proposer.draft_model.loop
     assert loop is not None and loop.mode == "cuda_graph", "the draft loop fell back (see the warning)"
     assert loop.num_runs > 0 and all(b.graph is not None for b in loop._buffers.values())
     assert got == run(make(False))

@@ -50,5 +50,5 @@ def test_graphs_equal_eager(models, speculative, batch):
     runner = graphs.engine.runner
     assert runner.static is not None and runner.static.num_replays > 0, "graphs fell back to eager"
     if speculative:
-        draft = graphs.engine.speculative.draft_model.runner
+        draft = graphs.engine.speculative.proposer.draft_model.runner
         assert draft.static is not None and draft.static.num_replays > 0

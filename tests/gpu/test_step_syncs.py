@@ -135,7 +135,7 @@ def test_a_step_synchronises_only_for_its_host_reads(model, monkeypatch, kind, t
     for _ in range(WARMUP_STEPS):
         assert all(o.error is None for o in engine.step())
     runner = engine.runner
-    drafter = engine.speculative.draft_model if engine.speculative is not None else None
+    drafter = engine.speculative.proposer.draft_model if engine.speculative is not None else None
     for r in (runner, drafter.runner if drafter is not None else None):
         if r is not None and r.static is not None:
             r.static.prepare()  # capture every bucket now: a capture synchronises (and a failed one turns graphs off)

@@ -9,9 +9,9 @@ import torch
 
 from specdec import ops
 from specdec.cache.block_manager import BlockManager
-from specdec.spec_decode.accepted_path import accepted_path_moves as compaction_slots
 from specdec.kernels import kv_compact as kc
 from specdec.kernels.kv_compact import kv_compact, kv_compact_reference
+from specdec.spec_decode.accepted_path import accepted_path_moves as compaction_slots
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -89,7 +89,7 @@ def plant_unfiltered_q(monkeypatch):
 
 def plant_bonus_from_unfiltered_p(monkeypatch):
     """(c) the bonus rows of target_probs (row cu[b] + b + k_b of request b) hold the unfiltered p."""
-    real_standardize, real_spec_sample = verify_module.standardize_unchecked, verify_module.ops.spec_sample
+    real_standardize, real_spec_sample = verify_module.to_probs_unchecked, verify_module.ops.spec_sample
     unfiltered = {}
 
     def standardize(logits, st):
@@ -102,7 +102,7 @@ def plant_bonus_from_unfiltered_p(monkeypatch):
         target_probs[bonus_rows] = unfiltered["p"][bonus_rows]
         return real_spec_sample(draft_ids, cu, draft_probs, target_probs, *args)
 
-    monkeypatch.setattr(verify_module, "standardize_unchecked", standardize)
+    monkeypatch.setattr(verify_module, "to_probs_unchecked", standardize)
     monkeypatch.setattr(verify_module.ops, "spec_sample", spec_sample)
 
 

@@ -19,7 +19,7 @@ from helpers import small_llm
 from oracle import CONFIGS, N_MUTANT, PROMPT, N, check, exact_joint, run, target_prefix_logits
 
 import specdec
-from specdec.spec_decode.proposers import draft_tree as draft_tree_module
+from specdec.spec_decode.proposers import tree_drafting as tree_drafting_module
 
 # (name, config, tree, depth): m = depth + 2 tokens per request
 CASES = [
@@ -57,7 +57,7 @@ def test_tree_sampling_matches_exact_joint(model_dirs, tree_prefix_logits, name,
 
 def test_top_c_children_claimed_as_sampled_are_rejected(model_dirs, tree_prefix_logits, monkeypatch):
     """Mutant: no noise in the draw (children = top-c of q) while verification assumes draws from q."""
-    monkeypatch.setattr(draft_tree_module, "row_exponentials",
+    monkeypatch.setattr(tree_drafting_module, "row_exponentials",
                         lambda seeds, positions, stream, n: torch.ones(seeds.shape[0], n))
     name, case, tree, depth = CASES[0]
     cfg, m = CONFIGS[case], depth + 2

@@ -14,13 +14,13 @@ import torch
 from tp_helpers import BLOCK_SIZE, BLOCKS, MAX_POS, VARIANTS, VOCAB, run_forwards, write_variants
 
 from specdec.cache.kv_pool import KVPool
+from specdec.checkpoint.loader import iter_weight_entries, load_model
+from specdec.checkpoint.safetensors_reader import read_header
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.launcher import TensorParallelWorkers
 from specdec.distributed.sharding import ShardLayout, check_tensor_parallel
 from specdec.distributed.worker import ModelSpec
 from specdec.model.config import ModelConfig
-from specdec.checkpoint.loader import iter_weight_entries, load_model
-from specdec.checkpoint.safetensors_reader import read_header
 
 
 @pytest.fixture(scope="module")

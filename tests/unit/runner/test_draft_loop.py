@@ -29,7 +29,7 @@ def engine(pair, loop: bool, k=3, **spec_kwargs):
     llm = small_llm(pair[0], dtype="float32", block_size=4, max_model_len=128, max_num_seqs=4, speculative=spec)
     llm.engine.enable_static_forward("eager")
     if not loop:
-        llm.engine.speculative.draft_model.loop = None
+        llm.engine.speculative.proposer.draft_model.loop = None
     return llm
 
 
@@ -46,7 +46,7 @@ def test_loop_generates_what_the_step_by_step_loop_does(pair, params):
     with_loop = engine(pair, loop=True)
     got = run(with_loop, ps, params)
     assert got == run(engine(pair, loop=False), ps, params)
-    loop = with_loop.engine.speculative.draft_model.loop
+    loop = with_loop.engine.speculative.proposer.draft_model.loop
     assert loop.num_runs > 0  # the rounds went through the program
     # k = 3: step 0 (catch-up) by itself, then 2 pure steps (1 where the answer's end cuts k to 2)
     assert 2 in {key.steps for key in loop._buffers} <= {1, 2}
@@ -60,7 +60,7 @@ def test_loop_with_a_reduced_draft_vocabulary(pair, tmp_path):
     with_loop = engine(pair, loop=True, draft_vocab=path)
     got = run(with_loop, ps, SAMPLED)
     assert got == run(engine(pair, loop=False, draft_vocab=path), ps, SAMPLED)
-    assert with_loop.engine.speculative.draft_model.loop.num_runs > 0
+    assert with_loop.engine.speculative.proposer.draft_model.loop.num_runs > 0
 
 
 def test_loop_with_a_quantised_draft_head(pair):
@@ -69,12 +69,12 @@ def test_loop_with_a_quantised_draft_head(pair):
     kwargs = dict(draft_quantization="int8", draft_quantize_lm_head=True)
     with_loop = engine(pair, loop=True, **kwargs)
     assert run(with_loop, ps, SAMPLED) == run(engine(pair, loop=False, **kwargs), ps, SAMPLED)
-    assert with_loop.engine.speculative.draft_model.loop.num_runs > 0
+    assert with_loop.engine.speculative.proposer.draft_model.loop.num_runs > 0
 
 
 def test_rounds_the_loop_does_not_serve_run_step_by_step(pair):
     with_loop = engine(pair, loop=True)
-    loop = with_loop.engine.speculative.draft_model.loop
+    loop = with_loop.engine.speculative.proposer.draft_model.loop
     penalised = SamplingParams(temperature=0.9, repetition_penalty=1.3, max_tokens=10, ignore_eos=True, seed=1)
     ps = prompts(2, seed=3)
     assert run(with_loop, ps, penalised) == run(engine(pair, loop=False), ps, penalised)
@@ -85,7 +85,7 @@ def test_a_failing_loop_turns_itself_off(pair, monkeypatch, caplog):
     ps = prompts(2, seed=4)
     ref = run(engine(pair, loop=False), ps, SAMPLED)
     with_loop = engine(pair, loop=True)
-    drafter = with_loop.engine.speculative.draft_model
+    drafter = with_loop.engine.speculative.proposer.draft_model
 
     def broken(*args, **kwargs):
         raise RuntimeError("operation not permitted when stream is capturing")

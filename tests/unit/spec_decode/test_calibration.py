@@ -22,7 +22,7 @@ def adaptive_llm(tiny_pair, **spec_kwargs):
 
 def test_an_adaptive_engine_starts_with_every_cost_key_measured(tiny_pair):
     llm = adaptive_llm(tiny_pair)
-    cm = llm.engine.speculative.cost_model
+    cm = llm.engine.speculative.policy.cost_model
     assert isinstance(cm, MeasuredCostModel)
     keys = cm._target[1]
     assert sorted(keys) == list(range(1, K + 2))  # batch 1, windows of 1..k+1 tokens
@@ -49,7 +49,7 @@ def test_calibrated_engine_is_still_lossless(tiny_pair, tiny_pair_plain):
 def test_injected_costs_are_not_calibrated(tiny_pair):
     fixed = FixedCostModel(c=0.1, verify_slope=0.0)
     llm = adaptive_llm(tiny_pair, cost_model=fixed)
-    assert llm.engine.speculative.cost_model is fixed  # nothing replaced, nothing timed into it
+    assert llm.engine.speculative.policy.cost_model is fixed  # nothing replaced, nothing timed into it
 
 
 def test_no_room_in_the_pool_means_no_calibration_and_no_error(tiny_pair):

@@ -17,7 +17,7 @@ from specdec.sampling.params import SamplingParams
 from specdec.spec_decode.proposers import prompt_lookup as prompt_lookup_module
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.combined import CombinedProposer
-from specdec.spec_decode.proposers.ngram_table import NgramTableProposer, NgramTable
+from specdec.spec_decode.proposers.ngram_table import NgramTable, NgramTableProposer
 from specdec.spec_decode.proposers.prompt_lookup import (
     PromptLookupProposer,
     lookup_matches,
