@@ -4,8 +4,8 @@ For each prompt the target generates its greedy text; the draft model then reads
 (teacher forcing) and ``match[p]`` says whether its greedy token at text position p equals the target's. While
 drafts are accepted the draft's context *is* the target's text, so a chain round starting at p accepts exactly the
 run of matches from p (capped at k): one prefill prices every policy that chooses k per round, offline. The traces
-replay adaptive k against fixed k (``tests/test_adaptive_traces.py``); they are a design and regression aid, and
-end-to-end speed is still measured by ``bench.speed.adaptive_k``.
+replay adaptive k against fixed k (``tests/unit/spec_decode/test_adaptive_traces.py``); they are a design and
+regression aid, and end-to-end speed is still measured by ``bench.speed.adaptive_k``.
 
 What a trace does not hold: the draft's decode path in place of one prefill (bf16 rounding can differ), and in
 bf16 each speculative configuration's own text (windows of different length round differently, so the texts of

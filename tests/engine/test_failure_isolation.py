@@ -59,7 +59,8 @@ def engines(tiny_pair, tmp_path_factory):
 
 def _target_forward_name(engine) -> str:
     """The runner method the step's target forward is: an EAGLE-3 engine's captures the head's hidden states."""
-    return "forward_with_aux_hidden" if engine.speculative and engine.speculative.proposer.aux_hidden_layers else "forward"
+    reads_hidden = engine.speculative and engine.speculative.proposer.aux_hidden_layers
+    return "forward_with_aux_hidden" if reads_hidden else "forward"
 
 
 def _pools(engine):

@@ -11,7 +11,7 @@ from specdec import ops
 from specdec.cache.block_manager import BlockManager
 from specdec.kernels import kv_compact as kc
 from specdec.kernels.kv_compact import kv_compact, kv_compact_reference
-from specdec.spec_decode.accepted_path import accepted_path_moves as compaction_slots
+from specdec.spec_decode.accepted_path import accepted_path_moves
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -169,7 +169,7 @@ def test_ops_dispatch_runs_the_kernel_when_forced(monkeypatch):
 # ------------------------------------------------------------------------------------ the engine's helper
 
 
-def test_compaction_slots_on_a_block_manager_across_block_boundaries():
+def test_accepted_path_moves_on_a_block_manager_across_block_boundaries():
     """Real BlockManager, block size 4, blocks out of physical order: a tree rooted at position 6 (logical block
     1, offset 2) with 7 nodes at positions 6..12; the accepted path [2, 3, 6] lands at positions 7, 8, 9 (logical
     blocks 1 and 2), and moving the cache with those slots gives the K/V a chain would have had."""
@@ -180,7 +180,7 @@ def test_compaction_slots_on_a_block_manager_across_block_boundaries():
     bm.allocate(98, 16)  # blocks 4..7
     bm.append_slots(7, 7)  # the tree: 13 slots in all, the new blocks are 0 and 1 (in the manager's order)
     assert bm.block_table(7)[:2] == [2, 3] and sorted(bm.block_table(7)[2:]) == [0, 1] and bm.seq_len(7) == 13
-    src, dst = compaction_slots(bm, 7, ctx=6, accepted_nodes=[2, 3, 6])
+    src, dst = accepted_path_moves(bm, 7, ctx=6, accepted_nodes=[2, 3, 6])
     assert src == [bm.slot(7, 8), bm.slot(7, 9), bm.slot(7, 12)]
     assert dst == [bm.slot(7, 7), bm.slot(7, 8), bm.slot(7, 9)]
     assert bm.slot(7, 7) // 4 != bm.slot(7, 12) // 4  # the move crosses blocks
@@ -197,12 +197,12 @@ def test_compaction_slots_on_a_block_manager_across_block_boundaries():
     bm.check_invariants()
 
 
-def test_compaction_slots_leaves_out_moves_in_place():
+def test_accepted_path_moves_leaves_out_moves_in_place():
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate(1, 10)
-    assert compaction_slots(bm, 1, ctx=3, accepted_nodes=[1, 2, 3]) == ([], [])  # a chain: nothing moves
-    assert compaction_slots(bm, 1, ctx=3, accepted_nodes=[]) == ([], [])
-    assert compaction_slots(bm, 1, ctx=3, accepted_nodes=[1, 2, 5]) == ([8], [6])
+    assert accepted_path_moves(bm, 1, ctx=3, accepted_nodes=[1, 2, 3]) == ([], [])  # a chain: nothing moves
+    assert accepted_path_moves(bm, 1, ctx=3, accepted_nodes=[]) == ([], [])
+    assert accepted_path_moves(bm, 1, ctx=3, accepted_nodes=[1, 2, 5]) == ([8], [6])
 
 
 @pytest.mark.parametrize("nodes,ctx,message", [
@@ -212,13 +212,13 @@ def test_compaction_slots_leaves_out_moves_in_place():
     ([1, 7], 3, "beyond the sequence's 10 reserved slots"),
     ([1], 10, r"ctx \(the root's position\) must lie in \[0, seq_len = 10\)"),
 ])  # fmt: skip
-def test_compaction_slots_rejects_bad_paths(nodes, ctx, message):
+def test_accepted_path_moves_rejects_bad_paths(nodes, ctx, message):
     bm = BlockManager(num_blocks=4, block_size=4)
     bm.allocate(1, 10)
     with pytest.raises(ValueError, match=message):
-        compaction_slots(bm, 1, ctx=ctx, accepted_nodes=nodes)
+        accepted_path_moves(bm, 1, ctx=ctx, accepted_nodes=nodes)
     with pytest.raises(ValueError, match="has no blocks"):
-        compaction_slots(bm, 2, ctx=0, accepted_nodes=[])
+        accepted_path_moves(bm, 2, ctx=0, accepted_nodes=[])
 
 
 # --------------------------------------------------------------------------------------------- validation

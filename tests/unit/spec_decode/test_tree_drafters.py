@@ -296,7 +296,8 @@ def test_without_keep_chain_the_budget_goes_to_the_most_probable_nodes():
     assert table.predict(2) == [2, 7]
     assert table.predict_tree(2, 2).token_ids == (0, 2, 7)
     assert table.predict_tree(2, 2, keep_chain=False).token_ids == (0, 2, 1)
-    assert NgramTableProposer(2, 2, keep_chain=False).propose_tree([seq(stream)], [2], [2]).trees[0].token_ids == (0, 2, 1)
+    tree = NgramTableProposer(2, 2, keep_chain=False).propose_tree([seq(stream)], [2], [2]).trees[0]
+    assert tree.token_ids == (0, 2, 1)
     # prompt lookup: after 0 come 1 5, 1 5, 2 6, 2 7 (the latest match: the chain 2 7)
     assert prompt_lookup_tree(stream, 2, 2, 1, 1).token_ids == (0, 2, 7)
     assert prompt_lookup_tree(stream, 2, 2, 1, 1, keep_chain=False).token_ids == (0, 2, 1)
