@@ -1,7 +1,7 @@
 """Adaptive k replayed on measured acceptance traces of the Qwen pair (tests/data/acceptance_traces_qwen.json, from
-``python -m bench.acceptance.acceptance_trace``): 16 real target texts of 256 tokens, 4 per prompt class, with
-where the 0.5B draft's greedy chain is accepted, and each arm's measured step time. A chain round at position p
-accepts the run of matches from p (capped at k), so any policy that picks k per round is priced exactly, offline and deterministically.
+``python -m bench.acceptance.acceptance_trace``): 16 real target texts of 256 tokens, 4 per prompt class, with where the
+0.5B draft's greedy chain is accepted, and each arm's measured step time. A chain round at position p accepts the run of
+matches from p (capped at k), so any policy that picks k per round is priced exactly, offline and deterministically.
 
 This pins the rule's defaults to what real text does: prose alternates easy and hard stretches, and a rule that
 chases them (optimism 1, decay 0.9: the previous defaults) runs below the best fixed k there. End-to-end speed is
