@@ -54,8 +54,8 @@ answer whose draft matched the target at 0.64 of positions (drafting pays from ~
 steps plain.
 
 **Optimism.** Choices weigh each position's acceptance plus ``optimism`` (0.5) standard errors of its estimate,
-``sqrt(r (1 - r) / (n + prior_weight))`` with n the rounds that ever reached the position (not decayed) - the upper-confidence
-rule of bandit problems. A position drafted rarely or never looks better than its point estimate, so a young request
+``sqrt(r (1 - r) / (n + prior_weight))`` with n the rounds that ever reached the position (not decayed) - the
+upper-confidence rule of bandit problems. A position drafted rarely or never looks better than its point estimate, so a young request
 tries the longer chains early (one early rejection cannot park it at a short k, as it did when position 2 of a code
 prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as the request's own rounds
 accumulate. Half a standard error, not one: on prose, where positions 3-4 are rarely reached, a full one kept their
