@@ -55,11 +55,11 @@ steps plain.
 
 **Optimism.** Choices weigh each position's acceptance plus ``optimism`` (0.5) standard errors of its estimate,
 ``sqrt(r (1 - r) / (n + prior_weight))`` with n the rounds that ever reached the position (not decayed) - the
-upper-confidence rule of bandit problems. A position drafted rarely or never looks better than its point estimate, so a young request
-tries the longer chains early (one early rejection cannot park it at a short k, as it did when position 2 of a code
-prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as the request's own rounds
-accumulate. Half a standard error, not one: on prose, where positions 3-4 are rarely reached, a full one kept their
-bonus large and drafted long chains into hard stretches - replayed on 16 measured traces of the Qwen pair
+upper-confidence rule of bandit problems. A position drafted rarely or never looks better than its point estimate, so a
+young request tries the longer chains early (one early rejection cannot park it at a short k, as it did when position 2
+of a code prompt was rejected once and the chain stayed at k = 1 for 14 steps), and the bonus fades as the request's own
+rounds accumulate. Half a standard error, not one: on prose, where positions 3-4 are rarely reached, a full one kept
+their bonus large and drafted long chains into hard stretches - replayed on 16 measured traces of the Qwen pair
 (tests/unit/spec_decode/test_adaptive_traces.py) prose ran at 0.970 of the best fixed k with it, 0.987 with half (0.966
 and 0.984 with the 1:1 prior). Reported acceptances (``position_acceptance``) are the point estimates. Counts decay by
 ``decay`` (0.97) per round that measures them: recent rounds weigh more, ~30 rounds' memory.
