@@ -50,7 +50,7 @@ class Config:
     keep_chain: bool = True  # trees: propose()'s chain kept first (the drafters' default) or best-first only
 
 
-METHODS = ("prompt_lookup", "ngram")
+METHODS = ("prompt_lookup", "ngram_table")
 CONFIGS = [Config(f"{m} chain k={k}", m, k, None) for m in METHODS for k in (4, 8, 16)] + [
     Config(f"{m} tree d={d} n={n}", m, d, n) for m in METHODS for d, n in ((4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
 ] + [Config(f"{m} tree d={d} n={n} no chain", m, d, n, False) for m in METHODS for d, n in ((8, 8), (16, 16))]

@@ -12,7 +12,7 @@ Prompts: the first file of each class (code, json, copy, prose) and the long-con
 batch size (1 and 8; ``--batches 1 8 32``, or ``BENCH_GPU_REAL_BATCHES="1 8 32"`` through ``bench.gpu``, adds 32),
 temperature (0 and 0.8) and class: a warm-up run of each engine on exactly the timed prompts (every CUDA-graph bucket
 captured before timing), then 3 interleaved runs (``bench.speed.e2e.interleave``) of plain, ``prompt_lookup`` and
-``ngram``; tok/s from the median run (an odd count: one run's own time). From the requests' metrics
+``ngram_table``; tok/s from the median run (an odd count: one run's own time). From the requests' metrics
 (``bench.speed.e2e.aggregate_metrics``): acceptance, alpha, tau (tokens per round), f (the share of decode steps that
 verified a draft: a model-free drafter with no match takes a plain step) and the mean draft length. Costs per batch
 and class, through a speculative engine's own target runner (``e2e.runner_forward_seconds``: CUDA graphs as the
@@ -49,7 +49,7 @@ from specdec.checkpoint.loader import resolve_model_path
 from specdec.tokenizer.tokenizer import Tokenizer
 
 CLASSES = (*PROMPT_CLASSES, "long")
-METHODS = ("prompt_lookup", "ngram")
+METHODS = ("prompt_lookup", "ngram_table")
 BATCHES_ENV = "BENCH_GPU_REAL_BATCHES"  # "1 8 32": bench.gpu passes no step flags, so the batches can come from here
 METRICS = ("acceptance_rate", "alpha", "tau", "speculating_step_fraction", "mean_draft_length", "drafted", "accepted",
            "rounds", "per_position_acceptance")  # fmt: skip

@@ -4,7 +4,7 @@
         --drafters draft_model:qwen-0.5b,prompt_lookup,eagle3:/work/heads/qwen-eagle3 [--k 4] [--reps 3] \\
         [--prompts code,json,copy,prose] [--prompts-per-class 1] [--max-tokens 64] [--dtype float32] [--clock cpu]
 
-A drafter is ``METHOD`` (``prompt_lookup``, ``ngram``) or ``METHOD:MODEL`` (``draft_model:qwen-0.5b``,
+A drafter is ``METHOD`` (``prompt_lookup``, ``ngram_table``) or ``METHOD:MODEL`` (``draft_model:qwen-0.5b``,
 ``eagle3:HEAD_FOLDER``, ``combined:MODEL``, ``draft_model:self``); a draft model's name may end in ``+vocab``
 (``draft_model:self+vocab``): the same draft with its LM head cut to ``--draft-vocab`` (``--draft-vocab-size``),
 so the full and the reduced draft vocabulary run side by side. Each drafts a chain of ``--k`` tokens (fixed k: the

@@ -19,8 +19,8 @@ def test_parse_drafter_accepts_methods_and_models_and_names_what_is_wrong(tmp_pa
         drafters.parse_drafter("medusa:x")
     with pytest.raises(ValueError, match="draft_model needs a model"):
         drafters.parse_drafter("draft_model")
-    with pytest.raises(ValueError, match="ngram takes no model"):
-        drafters.parse_drafter("ngram:x")
+    with pytest.raises(ValueError, match="ngram_table takes no model"):
+        drafters.parse_drafter("ngram_table:x")
 
 
 class FakeEngine:
