@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from specdec.checkpoint.default_model import default_model_path
-from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.config import EngineConfig, SpeculativeConfig, speculative_config_from_dict
 from specdec.engine.engine import LLMEngine
 from specdec.outputs import RequestOutput
 from specdec.sampling.params import SamplingParams
@@ -29,6 +29,9 @@ class LLM:
             under tensor parallelism: the blocks of that rank's kv heads the GiB buy).
         seed: seeds the per-request seeds of requests that give none.
         speculative: a SpeculativeConfig to decode speculatively (lossless), or None for plain decoding.
+        speculative_config: vLLM's spelling: a ``SpeculativeConfig``, or vLLM's dict (``{"method": "ngram",
+            "num_speculative_tokens": 4}``), read with vLLM's meanings (specdec/config/vllm_compat.py: its "ngram" is
+            our prompt lookup). Give ``speculative`` or ``speculative_config``, not both.
         enable_prefix_caching: share the cached KV blocks of a common prompt prefix between requests, so that a
             request computes only what follows the cached prefix (docs/architecture.md, "Prefix caching").
         enforce_eager: run every forward eagerly. False (default): on CUDA, uniform batches - decodes, draft steps,
@@ -79,7 +82,13 @@ class LLM:
         tensor_parallel_size: int = 1,
         distributed_timeout_s: float = 60.0,
         quantize_lm_head: bool | None = None,
+        speculative_config: SpeculativeConfig | dict | None = None,
     ):
+        if speculative_config is not None:
+            if speculative is not None:
+                raise ValueError("give speculative or speculative_config (vLLM's name for it), not both")
+            speculative = (speculative_config if isinstance(speculative_config, SpeculativeConfig)
+                           else speculative_config_from_dict(speculative_config))
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ValueError(f"speculative must be a SpeculativeConfig or None, got {type(speculative).__name__}")
         if model is None:

@@ -61,6 +61,10 @@ def serve(args: argparse.Namespace) -> int:
     from specdec.serve.server import run_server
 
     speculative = speculative_config(args)
+    if args.model_option is not None:  # vLLM's `serve --model M`, beside the positional MODEL
+        if args.model is not None and args.model != args.model_option:
+            raise ValueError(f"two models given: {args.model!r} (positional) and --model {args.model_option!r}")
+        args.model = args.model_option
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {args.port}")
     if args.threads:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
-from specdec.config import TREE_POLICIES, VERIFY_METHODS, parse_tree
+from specdec.config import TREE_POLICIES, VERIFY_METHODS, parse_tree, speculative_config_from_dict
 from specdec.training import command as train_command
 from specdec.training import vocab_command
 
@@ -120,6 +121,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 def _serve_parser(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("model", nargs="?", default=None,
                        help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                       help="the model, as vLLM's serve also takes it (instead of the positional MODEL)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     serve.add_argument("--served-model-name", default=None,
@@ -171,19 +174,29 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
                             ".json, or an EAGLE-3 d2t map); the draft's LM head keeps those rows only")
     group.add_argument("--draft-vocab-size", type=_positive_int, default=None,
                        help="as SpeculativeConfig(draft_vocab_size=): the first N (most frequent) ids of --draft-vocab")
-    group.add_argument("--num-speculative-tokens", type=int, default=_speculative_default("num_speculative_tokens"),
-                       help="k, the most tokens drafted per round")
-    group.add_argument("--adaptive", action="store_true", help="adapt k per request; 0 switches speculation off")
-    group.add_argument("--verify", choices=VERIFY_METHODS, default=_speculative_default("verify"),
-                       help="verification of sampled draft chains: token-wise or block (Sun et al. 2025)")
+    # default None: an option given without --speculative-method is refused, not silently ignored
+    group.add_argument("--num-speculative-tokens", type=int, default=None,
+                       help="k, the most tokens drafted per round (default: "
+                            f"{_speculative_default('num_speculative_tokens')})")
+    group.add_argument("--adaptive", action="store_true", default=None,
+                       help="adapt k per request; 0 switches speculation off")
+    group.add_argument("--verify", choices=VERIFY_METHODS, default=None,
+                       help="verification of sampled draft chains: token-wise or block (Sun et al. 2025) (default: "
+                            f"{_speculative_default('verify')})")
     group.add_argument("--tree", default=None,
                        help="draft a token tree: branching factors per depth (e.g. 3,2,1,1) or 'dynamic' "
                             "(default: chains)")
-    group.add_argument("--tree-budget", type=int, default=_speculative_default("tree_budget"),
-                       help="the most drafted nodes of a dynamic tree")
-    group.add_argument("--tree-policy", choices=TREE_POLICIES, default=_speculative_default("tree_policy"),
+    group.add_argument("--tree-budget", type=int, default=None,
+                       help="the most drafted nodes of a dynamic tree (default: "
+                            f"{_speculative_default('tree_budget')})")
+    group.add_argument("--tree-policy", choices=TREE_POLICIES, default=None,
                        help="measured: tree or chain per round by measured cost (a tree only where it pays); always: "
-                            "a tree every round")
+                            f"a tree every round (default: {_speculative_default('tree_policy')})")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="vLLM's speculative config as JSON, read with vLLM's meanings (its 'ngram' is our "
+                            "prompt_lookup; specdec/config/vllm_compat.py), e.g. "
+                            "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'; instead of the options "
+                            "above")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -192,27 +205,47 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**fields, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
+# the speculative options and their SpeculativeConfig fields (None when not given on the command line)
+_SPECULATIVE_OPTIONS = (
+    ("--draft-model", "draft_model"), ("--draft-quantization", "draft_quantization"),
+    ("--draft-quantize-lm-head", "draft_quantize_lm_head"),
+    ("--draft-tensor-parallel-size", "draft_tensor_parallel_size"), ("--draft-vocab", "draft_vocab"),
+    ("--draft-vocab-size", "draft_vocab_size"), ("--num-speculative-tokens", "num_speculative_tokens"),
+    ("--adaptive", "adaptive"), ("--verify", "verify"), ("--tree", "tree"), ("--tree-budget", "tree_budget"),
+    ("--tree-policy", "tree_policy"),
+)
+_DRAFT_METHODS = "draft_model or combined"
+_NEEDS = {"--draft-model": "draft_model, combined or eagle3", "--draft-quantization": _DRAFT_METHODS,
+          "--draft-quantize-lm-head": _DRAFT_METHODS, "--draft-tensor-parallel-size": _DRAFT_METHODS,
+          "--draft-vocab": _DRAFT_METHODS, "--draft-vocab-size": _DRAFT_METHODS}
+
+
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    """The ``SpeculativeConfig`` from parsed arguments; None (plain decoding) without --speculative-method."""
+    """The ``SpeculativeConfig`` from parsed arguments: from ``--speculative-method`` and the options given, or
+    from ``--speculative-config`` (vLLM's JSON); None (plain decoding) with neither. ``ValueError`` for a
+    speculative option given without a method (it would be ignored), for both ways at once and for bad JSON."""
+    given = {field: getattr(args, field) for _, field in _SPECULATIVE_OPTIONS if getattr(args, field, None) is not None}
+    given_flags = [flag for flag, field in _SPECULATIVE_OPTIONS if field in given]
+    text = getattr(args, "speculative_config", None)
+    if text is not None:
+        if args.speculative_method is not None or given:
+            also = ["--speculative-method"] * (args.speculative_method is not None) + given_flags
+            raise ValueError("--speculative-config replaces --speculative-method and the speculative options; give "
+                             f"one or the other (also given: {', '.join(also)})")
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+        return speculative_config_from_dict(config)
     if args.speculative_method is None:
-        if args.draft_model is not None:
-            raise ValueError("--draft-model needs --speculative-method draft_model, combined or eagle3")
-        if getattr(args, "draft_quantization", None) is not None:
-            raise ValueError("--draft-quantization needs --speculative-method draft_model or combined")
-        if getattr(args, "draft_quantize_lm_head", None) is not None:
-            raise ValueError("--draft-quantize-lm-head needs --speculative-method draft_model or combined")
-        if getattr(args, "draft_tensor_parallel_size", None) is not None:
-            raise ValueError("--draft-tensor-parallel-size needs --speculative-method draft_model or combined")
-        if getattr(args, "draft_vocab", None) is not None or getattr(args, "draft_vocab_size", None) is not None:
-            raise ValueError("--draft-vocab / --draft-vocab-size need --speculative-method draft_model or combined")
+        if given:
+            flag = given_flags[0]
+            raise ValueError(f"{flag} needs --speculative-method {_NEEDS.get(flag, 'METHOD')} (or "
+                             "--speculative-config): without one, decoding is plain and the option would be ignored")
         return None
-    return SpeculativeConfig(method=args.speculative_method, draft_model=args.draft_model,
-                             num_speculative_tokens=args.num_speculative_tokens, adaptive=args.adaptive,
-                             verify=args.verify, tree=parse_tree(args.tree), tree_budget=args.tree_budget,
-                             tree_policy=args.tree_policy, draft_quantization=args.draft_quantization,
-                             draft_quantize_lm_head=args.draft_quantize_lm_head,
-                             draft_tensor_parallel_size=args.draft_tensor_parallel_size,
-                             draft_vocab=args.draft_vocab, draft_vocab_size=args.draft_vocab_size)
+    if "tree" in given:
+        given["tree"] = parse_tree(given["tree"])
+    return SpeculativeConfig(method=args.speculative_method, **given)
 
 
 def _positive_int(text: str) -> int:

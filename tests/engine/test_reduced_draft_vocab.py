@@ -342,7 +342,7 @@ def test_cli_flags_reach_the_config(tmp_path):
     spec = speculative_config(args)
     assert spec.draft_vocab == str(path) and spec.draft_vocab_size == 2
     args = build_parser().parse_args(["generate", "--prompt", "x", "--draft-vocab", str(path)])
-    with pytest.raises(ValueError, match="--draft-vocab / --draft-vocab-size need --speculative-method"):
+    with pytest.raises(ValueError, match="--draft-vocab(-size)? needs --speculative-method draft_model or combined"):
         speculative_config(args)
 
 

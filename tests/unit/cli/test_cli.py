@@ -100,7 +100,9 @@ def test_cli_sampling_defaults_are_the_sampling_params_defaults():
         assert getattr(args, name) == api[name], name
     assert cli.sampling_params(args) == specdec.SamplingParams()
     spec = {f.name: f.default for f in dataclasses.fields(specdec.SpeculativeConfig)}
-    assert args.num_speculative_tokens == spec["num_speculative_tokens"]
+    with_method = cli.build_parser().parse_args(["generate", "--prompt", "x", "--speculative-method", "prompt_lookup"])
+    assert cli.speculative_config(with_method) == specdec.SpeculativeConfig(method="prompt_lookup")
+    assert cli.speculative_config(with_method).num_speculative_tokens == spec["num_speculative_tokens"]
 
 
 def test_new_sampling_options_reach_sampling_params():
