@@ -22,10 +22,11 @@ class ServerThread:
     """``build_app`` over a fresh ``specdec.LLM`` served by uvicorn in a daemon thread."""
 
     def __init__(self, model: str, name: str = "tiny", max_waiting: int = 64, shutdown_timeout: float = 5.0,
-                 **llm_kwargs):
+                 app_kwargs: dict | None = None, **llm_kwargs):
         self.llm = small_llm(model, **llm_kwargs)
         self.name = name
-        self.app = build_app(self.llm.engine, name, max_waiting=max_waiting, shutdown_timeout=shutdown_timeout)
+        self.app = build_app(self.llm.engine, name, max_waiting=max_waiting, shutdown_timeout=shutdown_timeout,
+                             **(app_kwargs or {}))
         self.async_engine = self.app.state.async_engine
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -48,10 +49,10 @@ class ServerThread:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the server did not shut down"
 
-    def client(self, **kwargs):
+    def client(self, api_key: str = "none", **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=60, **kwargs)
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=60, **kwargs)
 
     def async_client(self):
         import openai

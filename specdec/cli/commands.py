@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from specdec import SamplingParams
-from specdec.cli.parser import sampling_params, speculative_config
+from specdec.cli.parser import allowed_origins, sampling_params, speculative_config
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -70,8 +70,10 @@ def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     name = args.served_model_name or args.model or "default"
+    origins = allowed_origins(args.allowed_origins)
     signals = run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting,
-                         args.shutdown_timeout, speculative, dtype=args.dtype, device=args.device,
+                         args.shutdown_timeout, speculative, api_key=args.api_key, allowed_origins=origins,
+                         access_log=args.access_log, dtype=args.dtype, device=args.device,
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
                          enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,

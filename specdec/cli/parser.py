@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
 from specdec.config import TREE_POLICIES, VERIFY_METHODS, parse_tree, speculative_config_from_dict
@@ -129,6 +130,12 @@ def _serve_parser(serve: argparse.ArgumentParser) -> None:
                        help="the name clients pass as 'model' (default: MODEL as given, or 'default')")
     serve.add_argument("--max-waiting", type=_non_negative_int, default=64,
                        help="requests queued beyond --max-num-seqs; more get HTTP 503 with Retry-After")
+    serve.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); "
+                            "default: $SPECDEC_API_KEY, else no key")
+    serve.add_argument("--allowed-origins", default=None, metavar="JSON|LIST",
+                       help="browser origins allowed by CORS: a JSON list or comma-separated ('*': any); default: none")
+    serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     _engine_args(serve)
@@ -246,6 +253,24 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if "tree" in given:
         given["tree"] = parse_tree(given["tree"])
     return SpeculativeConfig(method=args.speculative_method, **given)
+
+
+def allowed_origins(text: str | None) -> list[str] | None:
+    """``--allowed-origins``: a JSON list (vLLM's form) or a comma-separated list; None when not given."""
+    if text is None:
+        return None
+    if text.lstrip().startswith("["):
+        try:
+            origins = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--allowed-origins is not a valid JSON list: {exc}") from None
+        if not isinstance(origins, list) or not all(isinstance(o, str) and o for o in origins):
+            raise ValueError(f"--allowed-origins must list non-empty strings, got {text!r}")
+        return origins
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    if not origins:
+        raise ValueError("--allowed-origins is empty")
+    return origins
 
 
 def _positive_int(text: str) -> int:

@@ -5,7 +5,8 @@ Each HTTP request becomes one engine request per prompt (``n`` samples each) on 
 unsupported field (named in ``param``), 404 for another model name, 503 with ``Retry-After`` when the waiting
 queue is full or the server is shutting down, 500 when the request failed inside the engine (``finish_reason
 "error"``). A streamed request that fails after its first chunk ends with an ``{"error": ...}`` event, then
-``[DONE]``. A client that disconnects aborts its requests at once (their KV blocks are freed).
+``[DONE]``. A client that disconnects aborts its requests at once (their KV blocks are freed). With an API key every
+route but ``/health`` answers 401 without ``Authorization: Bearer KEY``; ``allowed_origins`` turns CORS on.
 
 Over 300 lines: one route per OpenAI endpoint and their streaming / non-streaming bodies, which read best side by
 side; request parsing is in ``protocol.py``, the engine thread in ``async_engine.py``.
@@ -14,6 +15,7 @@ side; request parsing is in ``protocol.py``, the engine thread in ``async_engine
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -21,6 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.engine.engine import LLMEngine
@@ -32,9 +35,12 @@ from specdec.serve.protocol import ParsedRequest, RequestError, parse_chat, pars
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 
 
-def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdown_timeout: float = 10.0) -> FastAPI:
+def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdown_timeout: float = 10.0,
+              api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` as ``model_name``. The engine loop starts and stops with the app's
-    lifespan (uvicorn runs it); ``app.state.async_engine`` is the ``AsyncEngine``."""
+    lifespan (uvicorn runs it); ``app.state.async_engine`` is the ``AsyncEngine``. ``api_key``: every route but
+    ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401, OpenAI's error shape); ``allowed_origins``:
+    browser origins allowed by CORS (``["*"]``: any; None: no CORS headers)."""
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
 
@@ -45,6 +51,24 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
         await async_engine.shutdown(shutdown_timeout)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
+    if api_key is not None:
+        if not api_key:
+            raise ValueError("the API key must not be empty")
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next):
+            if request.url.path == "/health" or request.method == "OPTIONS":  # probes; CORS preflights
+                return await call_next(request)
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                error = RequestError("a valid API key is required: send 'Authorization: Bearer <key>'",
+                                     status=401, type="authentication_error", code="invalid_api_key")
+                return JSONResponse(error.body(), status_code=401)
+            return await call_next(request)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials=False)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     created = int(time.time())

@@ -1,18 +1,23 @@
 """OpenAI request bodies -> what the engine runs; OpenAI's error shape.
 
-Bodies are parsed as plain JSON dicts, not pydantic models, so that every refusal names the exact field:
-a field outside the allow-list is refused (never silently ignored); a field the server knows but does not
-implement is accepted only at its neutral value (``echo: false``, ``logit_bias: {}``...); sampling values are
-checked by ``SamplingParams`` itself and its ``ValueError`` becomes the message, naming the request's field.
+Bodies are parsed as plain JSON dicts, not pydantic models, so that every refusal names the exact field. A field
+the server does not know is ignored with one logged warning per request naming it (as vLLM does: strict 400s for
+unknown fields broke clients that send their own extensions); a field the server knows but does not implement is
+accepted only at its neutral value (``echo: false``, ``logit_bias: {}``...) and refused with a 400 naming it
+otherwise; sampling values are checked by ``SamplingParams`` itself and its ``ValueError`` becomes the message,
+naming the request's field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
 
 from specdec.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # fields of both endpoints; top_k, min_p, repetition_penalty and ignore_eos are vLLM's extensions
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
@@ -142,6 +147,7 @@ def parse_chat(body: object, model_name: str) -> ParsedRequest:
 def _check_body(body: object, allowed: set[str], model_name: str) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    ignored = []
     for key, value in body.items():
         if key in allowed:
             continue
@@ -149,7 +155,10 @@ def _check_body(body: object, allowed: set[str], model_name: str) -> dict:
             if value not in NEUTRAL[key]:
                 raise RequestError(f"'{key}' is not supported by this server (only {NEUTRAL[key][0]!r})", key)
             continue
-        raise RequestError(f"'{key}' is not a supported field; supported: {', '.join(sorted(allowed))}", key)
+        ignored.append(key)
+    if ignored:
+        logger.warning("request fields ignored (not part of this server's API): %s", ", ".join(sorted(ignored)))
+        body = {k: v for k, v in body.items() if k not in ignored}
     model = body.get("model")
     if model != model_name:
         raise RequestError(f"the model {model!r} does not exist; this server serves {model_name!r}", "model",

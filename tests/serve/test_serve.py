@@ -27,8 +27,8 @@ def servers(tiny_pair):
     target, draft = tiny_pair
     made = {
         "plain": ServerThread(target, **ENGINE),
-        "ngram": ServerThread(target, speculative=specdec.SpeculativeConfig(method="ngram", num_speculative_tokens=3),
-                              **ENGINE),
+        "ngram": ServerThread(target, speculative=specdec.SpeculativeConfig(method="ngram_table",
+                                                                            num_speculative_tokens=3), **ENGINE),
         "draft": ServerThread(target, speculative=specdec.SpeculativeConfig(
             method="draft_model", draft_model=draft, num_speculative_tokens=3), **ENGINE),
     }
@@ -264,7 +264,6 @@ BAD = [
     ("completions", {"logprobs": 50}, "logprobs"),
     ("completions", {"echo": True}, "echo"),
     ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-    ("completions", {"frobnicate": 1}, "frobnicate"),
     ("completions", {"extra_body": {"top_k": -3}}, "top_k"),
     ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ("completions", {"prompt": "the " * 300}, "prompt"),  # over max_model_len
@@ -300,6 +299,19 @@ def test_bad_field_answers_400_naming_it(servers, endpoint, fields, param):
     assert param.split("[")[0].split(".")[0] in error["message"] or "prompt" in error["message"], error
     got = client.completions.create(model="tiny", prompt="the", max_tokens=2)  # still serving
     assert got.usage.completion_tokens >= 1
+
+
+def test_unknown_fields_are_ignored_with_one_warning_and_known_ones_still_checked(servers, caplog):
+    """vLLM's behaviour: a field the server does not know is dropped with one logged warning per request naming it
+    (clients send their own extensions); a known field at an unsupported value still gets a 400 (the BAD cases)."""
+    client = servers["plain"].client()
+    with caplog.at_level("WARNING", logger="specdec.serve.protocol"):
+        got = client.completions.create(model="tiny", prompt="the", max_tokens=3, temperature=0,
+                                        extra_body={"frobnicate": 1, "vendor_option": {"x": 2}})
+    plain = client.completions.create(model="tiny", prompt="the", max_tokens=3, temperature=0)
+    assert got.choices[0].text == plain.choices[0].text  # the ignored fields changed nothing
+    warnings = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert len(warnings) == 1 and "frobnicate" in warnings[0] and "vendor_option" in warnings[0], warnings
 
 
 def test_wrong_model_is_404_and_stream_errors_are_400(servers):
@@ -470,3 +482,41 @@ def _sample(text: str, name: str, labels: dict | None = None, default: float | N
     if default is not None:
         return default
     raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_api_key_guards_every_route_but_health_and_cors_answers_allowed_origins(tiny_pair):
+    """``build_app(api_key=)``: 401 in OpenAI's shape without the right bearer token, on the API and on /metrics;
+    /health stays open for probes. ``allowed_origins``: CORS headers for an allowed origin only."""
+    import http.client
+
+    server = ServerThread(tiny_pair[0], app_kwargs={"api_key": "s3cret", "allowed_origins": ["http://ok.example"]},
+                          **ENGINE).start()
+    try:
+        def request(method, path, headers=None, body=None):
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            try:
+                conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
+                r = conn.getresponse()
+                return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+            finally:
+                conn.close()
+
+        body = json.dumps({"model": "tiny", "prompt": "the", "max_tokens": 2})
+        for path, method in (("/v1/models", "GET"), ("/metrics", "GET"), ("/v1/completions", "POST")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                status, _, raw = request(method, path, headers, body if method == "POST" else None)
+                assert status == 401, (path, headers, status)
+                assert json.loads(raw)["error"]["code"] == "invalid_api_key"
+        assert request("GET", "/health")[0] == 200
+        ok = {"Authorization": "Bearer s3cret"}
+        assert request("GET", "/v1/models", ok)[0] == 200
+        status, _, raw = request("POST", "/v1/completions", ok, body)
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] >= 1
+        assert server.client(api_key="s3cret").completions.create(model="tiny", prompt="the", max_tokens=2).choices
+        preflight = {"Origin": "http://ok.example", "Access-Control-Request-Method": "POST"}
+        status, headers, _ = request("OPTIONS", "/v1/completions", preflight)
+        assert status == 200 and headers.get("access-control-allow-origin") == "http://ok.example"
+        _, headers, _ = request("GET", "/v1/models", {**ok, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in headers
+    finally:
+        server.stop()
