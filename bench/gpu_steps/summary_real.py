@@ -34,12 +34,13 @@ def section_real(real: dict, table, fmt) -> list[str]:
     lines = [title, "",
              f"{what}, {real.get('dtype')}, k={real.get('k')} chains, {real.get('max_tokens')} new tokens "
              f"(ignore_eos), prefix caching off; per row a warm-up run of each engine on the timed prompts, then "
-             f"the median of {real.get('reps')} interleaved runs (plain, prompt_lookup, ngram_table); batch B cycles "
-             "the class's prompt files (batch 1: the first). f = share of decode steps that verified a draft (no "
-             "match: a plain step); c = the drafter's measured host time per decode step (`propose`, the whole "
-             "batch) / (k target decodes); v(k) through the engine's target runner (CUDA graphs on CUDA) at the class's context. "
-             "Predicted: Theorem 3.8 with v(k) (`bench.speed.e2e.improvement`, every step drafting k) and the round "
-             "mix (`bench.speed.e2e.round_mix`, the measured f, tau and draft length: the one that fits a model-free "
+             f"the median of {real.get('reps')} interleaved runs (plain, prompt_lookup, ngram_table); batch B "
+             "cycles the class's prompt files (batch 1: the first). f = share of decode steps that verified a draft "
+             "(no match: a plain step); c = the drafter's measured host time per decode step (`propose`, the whole "
+             "batch) / (k target decodes); v(k) through the engine's target runner (CUDA graphs on CUDA) at the "
+             "class's context. Predicted: Theorem 3.8 with v(k) (`bench.speed.e2e.improvement`, every step drafting "
+             "k) and the round mix (`bench.speed.e2e.round_mix`, the measured f, tau and draft length: the one that "
+             "fits a model-free "
              "drafter).",
              ""]  # fmt: skip
     if real.get("failure"):
