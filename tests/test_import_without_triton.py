@@ -23,7 +23,7 @@ def test_generate_without_triton(tiny_pair):
         params = specdec.SamplingParams(temperature=0.8, top_k=20, max_tokens=6, seed=1, ignore_eos=True)
         plain = specdec.LLM({target!r}, dtype="float32", block_size=4, max_model_len=64)
         spec = specdec.LLM({target!r}, dtype="float32", block_size=4, max_model_len=64,
-                           speculative=specdec.SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+                           speculative=specdec.SpeculativeConfig(method="ngram_table", num_speculative_tokens=3))
         a = plain.generate(prompt_token_ids=[1, 2, 3, 1, 2, 3, 1, 2], sampling_params=params)[0]
         b = spec.generate(prompt_token_ids=[1, 2, 3, 1, 2, 3, 1, 2], sampling_params=params)[0]
         assert len(a.outputs[0].token_ids) == len(b.outputs[0].token_ids) == 6

@@ -79,7 +79,7 @@ def smollm2():
 def test_adaptive_k_settles_to_zero_on_random_tokens_and_stays_up_on_repetition(smollm2):
     costs = FixedCostModel(c=0.0, verify_slope=0.25)
     llm = small_llm(smollm2, dtype="float32", max_model_len=512, speculative=SpeculativeConfig(
-        method="ngram", num_speculative_tokens=4, adaptive=True, cost_model=costs))
+        method="ngram_table", num_speculative_tokens=4, adaptive=True, cost_model=costs))
     gen = torch.Generator().manual_seed(0)
     random_tokens = torch.randint(1000, 30000, (40,), generator=gen).tolist()
     noisy = llm.generate(prompt_token_ids=[random_tokens], sampling_params=SamplingParams(

@@ -69,7 +69,7 @@ def test_bad_draft_quantization_is_refused(tiny_pair):
     with pytest.raises(ValueError, match="draft_quantization must be"):
         SpeculativeConfig(draft_model="self", draft_quantization="int2")
     with pytest.raises(ValueError, match="needs a draft model"):
-        SpeculativeConfig(method="ngram", draft_quantization="int8")
+        SpeculativeConfig(method="ngram_table", draft_quantization="int8")
     with pytest.raises(ValueError, match="draft_dtype must be the target's"):
         _llm(tiny_pair[0], speculative=SpeculativeConfig(draft_model="self", draft_dtype="bfloat16"))
 

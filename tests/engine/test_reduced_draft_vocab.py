@@ -25,6 +25,7 @@ from specdec.model.quant.linear import QuantizedLinear
 from specdec.sampling.penalties import row_counts
 from specdec.spec_decode.proposers.chain_drafting import sample_draft_step
 from specdec.spec_decode.proposers.draft_vocab import DraftVocab, read_draft_vocab, write_draft_vocab
+from specdec.spec_decode.round import SpeculativeRound
 from specdec.training.vocab_command import build
 
 VOCAB = 300
@@ -72,18 +73,18 @@ def spec_llm(target: str, draft: str, path: str, **spec) -> specdec.LLM:
 
 
 def spy_rounds(llm, monkeypatch) -> dict:
-    """Record every round's drafted ids and q rows (``verify_round``'s metadata)."""
+    """Record every round's drafted ids and q rows (the metadata ``SpeculativeRound.verify`` reads)."""
     seen = {"drafted": [], "q": []}
-    decoder = llm.engine.speculative
-    verify = decoder.verify_round
+    verify = SpeculativeRound.verify
 
-    def spy(logits, draft_round, meta, out):
+    def spy(self, logits, out):
+        meta = self.meta
         seen["drafted"] += meta.draft_token_ids.tolist()
         if meta.draft_probs is not None:
             seen["q"].append(meta.draft_probs.clone())
-        return verify(logits, draft_round, meta, out)
+        return verify(self, logits, out)
 
-    monkeypatch.setattr(decoder, "verify_round", spy)
+    monkeypatch.setattr(SpeculativeRound, "verify", spy)
     return seen
 
 
@@ -307,7 +308,7 @@ def test_bad_files_fail_when_the_llm_is_built(dirs, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"method": "ngram"}, "draft_vocab needs a draft model"),
+    ({"method": "ngram_table"}, "draft_vocab needs a draft model"),
     ({"method": "prompt_lookup"}, "draft_vocab needs a draft model"),
     ({"method": "eagle3", "draft_model": "x"}, "an EAGLE-3 head carries its own reduced vocabulary"),
     ({"draft_model": "x", "draft_vocab": None, "draft_vocab_size": 10}, "draft_vocab_size needs draft_vocab"),

@@ -22,7 +22,7 @@ from oracle import CONFIGS, PROMPT, N, check, exact_joint, run, target_prefix_lo
 from tiny_models import make_tiny_eagle3_head
 
 import specdec
-from specdec.spec_decode.proposers import draft_model as draft_model_module
+from specdec.spec_decode.proposers import chain_drafting as chain_drafting_module
 
 DRAFT_IDS = [0, 2, 3]
 # (name, config, tree, depth, verify): m = depth + 2 tokens per request
@@ -78,7 +78,7 @@ def test_eagle3_sampling_matches_exact_joint(model_dirs, head_dir, eagle_prefix_
 
 def test_biased_drafts_are_rejected(model_dirs, head_dir, eagle_prefix_logits, monkeypatch):
     """Mutant: drafts drawn from the head's logits + 4 on target id 0, verification told the unbiased q."""
-    real = draft_model_module.sample_rows
+    real = chain_drafting_module.sample_rows
 
     def biased(logits, params, *args, **kwargs):
         _, probs = real(logits, params, *args, **kwargs)
@@ -86,7 +86,7 @@ def test_biased_drafts_are_rejected(model_dirs, head_dir, eagle_prefix_logits, m
                          **{**kwargs, "bad_rows": []})
         return tokens, probs
 
-    monkeypatch.setattr(draft_model_module, "sample_rows", biased)
+    monkeypatch.setattr(chain_drafting_module, "sample_rows", biased)
     name, case, tree, depth, _ = CASES[1]
     cfg, m = CONFIGS[case], depth + 2
     counts, _ = run(eagle_llm(model_dirs[0], head_dir, tree, depth), cfg, m, N, f"mutant {name}")

@@ -152,13 +152,13 @@ CASES = [
     # model-free drafters, chains and trees
     *[Case(f"{m}-b{b}", model_free(m, **({"prompt_lookup_min": 1} if m == "prompt_lookup" else {})), batch=b,
            prompts="repetitive", check=rolls_back_blocks)
-      for m in ("ngram", "prompt_lookup") for b in (1, 4)],
+      for m in ("ngram_table", "prompt_lookup") for b in (1, 4)],
     *[Case(f"{m}-tree-{'dynamic' if s == 'dynamic' else 'static'}", model_free(m, tree=s, tree_policy="always"),
-           prompts="repetitive") for m in ("prompt_lookup", "ngram") for s in ([3, 2, 1, 1], "dynamic")],
+           prompts="repetitive") for m in ("prompt_lookup", "ngram_table") for s in ([3, 2, 1, 1], "dynamic")],
     # combined: prompt lookup where it matches, the draft model (or the n-gram table) elsewhere
     *[Case(f"combined-b{b}", draft(3, method="combined"), batch=b, prompts="repetitive", check=rolls_back_blocks)
       for b in (1, 4)],
-    Case("combined-ngram-adaptive", draft(3, method="combined", combined_lookup="ngram", adaptive=True),
+    Case("combined-ngram-adaptive", draft(3, method="combined", combined_lookup="ngram_table", adaptive=True),
          prompts="repetitive"),
     # EAGLE-3 heads
     Case("eagle3-chain-b1", eagle(), target="eagle", batch=1),

@@ -21,8 +21,9 @@ from helpers import small_llm
 from oracle import CONFIGS, N_MUTANT, PROMPT, VOCAB, N, check, exact_joint, run, target_prefix_logits
 
 import specdec
-from specdec.spec_decode.proposers import draft_model as draft_model_module
+from specdec.spec_decode.proposers import chain_drafting as chain_drafting_module
 from specdec.spec_decode.proposers.draft_vocab import DraftVocab
+from specdec.spec_decode.round import SpeculativeRound
 
 SUBSET = [0, 2, 3]  # id 1 is left out of the draft's head
 OUTSIDE = 1
@@ -80,7 +81,7 @@ def plant_off_by_one_map(monkeypatch):
 
 def plant_mass_outside(monkeypatch):
     """(b) the q verification sees has 30% of its mass moved onto the id outside the subset."""
-    real = draft_model_module.q_over_target
+    real = chain_drafting_module.q_over_target
 
     def q_over_target(probs, vocab, target_vocab_size):
         q = real(probs, vocab, target_vocab_size).clone()
@@ -88,7 +89,7 @@ def plant_mass_outside(monkeypatch):
         q[:, OUTSIDE] += 0.3 * q.sum(dim=1) / 0.7
         return q / q.sum(dim=1, keepdim=True)
 
-    monkeypatch.setattr(draft_model_module, "q_over_target", q_over_target)
+    monkeypatch.setattr(chain_drafting_module, "q_over_target", q_over_target)
 
 
 MUTANTS = {"off_by_one_map": plant_off_by_one_map, "mass_outside_the_subset": plant_mass_outside}
@@ -109,15 +110,14 @@ def test_q_sent_to_verification_is_zero_outside_the_subset(model_dirs, subset_fi
     """The q rows verification reads put exactly 0 on the id outside the subset (chains and trees)."""
     for tree in (None, [3, 1]):
         llm = reduced_llm(model_dirs, subset_file, tree, 2)
-        decoder = llm.engine.speculative
-        verify = decoder.verify_round
+        verify = SpeculativeRound.verify
         seen = []
 
-        def spy(logits, draft_round, meta, out, verify=verify, seen=seen):
-            seen.append(meta.draft_probs.clone())
-            return verify(logits, draft_round, meta, out)
+        def spy(self, logits, out, verify=verify, seen=seen):
+            seen.append(self.meta.draft_probs.clone())
+            return verify(self, logits, out)
 
-        monkeypatch.setattr(decoder, "verify_round", spy)
+        monkeypatch.setattr(SpeculativeRound, "verify", spy)
         run(llm, CONFIGS["temperature_1"], 4, 64, f"q rows tree={tree}")
         q = torch.cat(seen)
         assert q.shape[1] == VOCAB and bool((q[:, OUTSIDE] == 0).all()) and float(q.sum()) > 0

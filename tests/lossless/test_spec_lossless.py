@@ -28,7 +28,7 @@ import specdec
 from specdec.kernels import spec_sample as spec_sample_module
 from specdec.sampling import sampler as sampler_module
 from specdec.spec_decode import verify as verify_module
-from specdec.spec_decode.proposers import draft_model as draft_model_module
+from specdec.spec_decode.proposers import chain_drafting as chain_drafting_module
 
 # (config, k): m = k + 2 tokens per request - 1 plain, k drafted, then the bonus (or a later round / plain step)
 CASES = [("temperature_1", 2), ("top_k_top_p", 2), ("penalties", 2), ("top_k_top_p", 3)]
@@ -84,7 +84,7 @@ def plant_unfiltered_q(monkeypatch):
         unfiltered = [dataclasses.replace(p, top_k=0, top_p=1.0, min_p=0.0) for p in params]
         return tokens, real(logits, unfiltered, *args, **{**kwargs, "bad_rows": []})[1]
 
-    monkeypatch.setattr(draft_model_module, "sample_rows", sample_rows)
+    monkeypatch.setattr(chain_drafting_module, "sample_rows", sample_rows)
 
 
 def plant_bonus_from_unfiltered_p(monkeypatch):

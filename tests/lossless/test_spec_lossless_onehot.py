@@ -1,6 +1,6 @@
 """End-to-end proof that speculative SAMPLING with DETERMINISTIC (one-hot) drafts is lossless.
 
-Model-free drafters ("prompt_lookup", "ngram") propose tokens without a distribution: q is a point mass at the
+Model-free drafters ("prompt_lookup", "ngram_table") propose tokens without a distribution: q is a point mass at the
 draft x, so verification accepts x with probability p(x) and after a rejection draws from p with x zeroed
 (renormalised). Then P(y) = p(x) [y = x] + (1 - p(x)) p(y) [y != x] / (1 - p(x)) = p(y) whatever x is, as long as
 the drafts depend on the emitted prefix only. "combined" (prompt lookup when it matches, else the draft model)
@@ -51,10 +51,10 @@ MIN_MODEL_OUTCOMES = N // 100  # the same for the draft-model rows of "combined"
 # (method, config, k): m = k + 2 tokens per request
 CASES = [
     ("prompt_lookup", "temperature_1", 2), ("prompt_lookup", "top_k_top_p", 3), ("prompt_lookup", "penalties", 2),
-    ("ngram", "temperature_1", 2), ("ngram", "top_k_top_p", 2), ("ngram", "penalties", 2),
+    ("ngram_table", "temperature_1", 2), ("ngram_table", "top_k_top_p", 2), ("ngram_table", "penalties", 2),
     ("combined", "temperature_1", 2), ("combined", "top_k_top_p", 2), ("combined", "penalties", 2),
 ]
-METHODS = ("prompt_lookup", "ngram", "combined")
+METHODS = ("prompt_lookup", "ngram_table", "combined")
 MUTANT_CASE = ("temperature_1", 2)
 MAX_M = max(k for *_, k in CASES) + 2
 

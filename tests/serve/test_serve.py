@@ -45,8 +45,8 @@ def references(tiny_pair):
     target, draft = tiny_pair
     return {
         "plain": small_llm(target, **ENGINE),
-        "ngram": small_llm(target, speculative=specdec.SpeculativeConfig(method="ngram", num_speculative_tokens=3),
-                             **ENGINE),
+        "ngram": small_llm(target, speculative=specdec.SpeculativeConfig(method="ngram_table",
+                                                                          num_speculative_tokens=3), **ENGINE),
         "draft": small_llm(target, speculative=specdec.SpeculativeConfig(
             method="draft_model", draft_model=draft, num_speculative_tokens=3), **ENGINE),
     }

@@ -64,7 +64,7 @@ def test_payloads_that_do_not_travel_inline_follow_as_a_broadcast(pair, referenc
     ("sharded draft, trees", lambda d: SpeculativeConfig(draft_model=d, num_speculative_tokens=3, tree=[2, 1, 1],
                                                          tree_policy="always")),
     ("prompt lookup", lambda d: SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=3)),
-    ("ngram", lambda d: SpeculativeConfig(method="ngram", num_speculative_tokens=3)),
+    ("ngram", lambda d: SpeculativeConfig(method="ngram_table", num_speculative_tokens=3)),
     ("combined", lambda d: SpeculativeConfig(method="combined", draft_model=d, num_speculative_tokens=3)),
 ])
 def test_speculative_greedy_matches_plain(pair, reference, label, spec):

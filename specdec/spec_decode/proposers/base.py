@@ -24,8 +24,8 @@ from specdec.device import to_device
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.tree import DraftTree
 
-if TYPE_CHECKING:  # the annotation only (draft_model.py imports this module)
-    from specdec.spec_decode.proposers.draft_model import DraftModelProposer
+if TYPE_CHECKING:  # the annotation only
+    from specdec.spec_decode.proposers.model_drafter import DraftModel
 
 
 @dataclass
@@ -88,7 +88,7 @@ class Proposer(Protocol):
     max_positions: int | None  # the highest position it can draft at + 1 (None: no limit)
     # the draft model it drafts with (itself, or a combined proposer's), or None: calibration times its step, the
     # engine captures its static forwards and draft loop
-    draft_model: DraftModelProposer | None
+    draft_model: DraftModel | None
     # the target layers whose hidden states it reads (the target forward then captures them), or None: none
     aux_hidden_layers: tuple[int, ...] | None
 

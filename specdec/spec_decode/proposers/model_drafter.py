@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from specdec.runner.draft_loop import LoopOutput
+from specdec.runner.draft_loop import DraftLoopRunner, LoopOutput
 from specdec.runner.model_runner import ForwardItem, ModelRunner
 from specdec.spec_decode.proposers.draft_vocab import DraftVocab
 from specdec.spec_decode.request import RequestView
@@ -59,4 +59,15 @@ class ModelDrafter(Protocol):
     def tree_level_forward(self, items: list[ForwardItem], parent_rows: list[int]) -> torch.Tensor:
         """One depth of nodes (one item per request); ``parent_rows``: each node's parent's row in the previous
         tree forward. Logits ``[sum(item rows), W]``."""
+        ...
+
+
+class DraftModel(ModelDrafter, Protocol):
+    """A model drafter with its own static forward and draft loop (``DraftModelProposer``): what the engine sets
+    up at start-up (``Proposer.draft_model``) and calibration times (``runner``)."""
+
+    loop: DraftLoopRunner | None  # the pure steps of chain rounds as one program (None: step by step)
+
+    def enable_draft_loop(self, mode: str, max_seq_len: int, max_batch: int, max_steps: int) -> None:
+        """Run chain rounds' pure steps as one program per bucket (``mode``: "cuda_graph" or "eager")."""
         ...

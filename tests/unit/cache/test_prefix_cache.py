@@ -251,7 +251,7 @@ def test_requests_arriving_together_share_after_the_first_prefill(tiny_pair, ref
 
 SPEC = {
     "draft_model": lambda d: SpeculativeConfig(method="draft_model", draft_model=d, num_speculative_tokens=3),
-    "ngram": lambda d: SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+    "ngram": lambda d: SpeculativeConfig(method="ngram_table", num_speculative_tokens=4),
 }
 
 

@@ -20,7 +20,7 @@ def hf_model(tiny_pair):
 
 
 SPEC_CONFIGS = {
-    "ngram": lambda draft: SpeculativeConfig(method="ngram", num_speculative_tokens=4),
+    "ngram": lambda draft: SpeculativeConfig(method="ngram_table", num_speculative_tokens=4),
     "draft_model": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=4),
     "draft_model_block": lambda draft: SpeculativeConfig(draft_model=draft, num_speculative_tokens=4, verify="block"),
     # a token j on an accepted tree path comes from its node's row, not from row j
