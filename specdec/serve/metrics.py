@@ -2,19 +2,30 @@
 
 Counters add up per-request counters (``RequestOutput.metrics``, docs/metrics.md) when a request finishes;
 the acceptance gauges are ratios of those sums, so they weigh every drafted token equally (vLLM's system
-acceptance rate), not every request.
+acceptance rate), not every request. Latency histograms (vLLM's three): time to first token and end-to-end
+latency per request, and the inter-token latency per generated token after the first - a step that emits k tokens
+at once (a verified round) counts k tokens, each at the step's gap over k, so speculation shows as what a streaming
+client sees per token.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from specdec.outputs import RequestOutput
 
 PREFIX = "specdec"
+# seconds; vLLM's buckets for the same histograms, cut to what a CPU or a GPU engine can show
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
 
 
 class ServerMetrics:
@@ -57,6 +68,14 @@ class ServerMetrics:
         self.position_acceptance = Gauge(f"{p}_spec_decode_per_position_acceptance",
                                          "rounds that accepted draft i / rounds that drafted a token at i",
                                          ["position"], registry=r)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "arrival to first generated token, per request",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(f"{p}_inter_token_latency_seconds",
+                             "gap between generated tokens, per token after the first (a step's gap / its tokens)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "arrival to finish, per request",
+                             buckets=E2E_BUCKETS, registry=r)
+        self._last_token_time: dict[str, float] = {}  # request id -> when its last tokens arrived (loop thread)
         info = Gauge(f"{p}_model_info", "the served model", ["model_name"], registry=r)
         info.labels(model_name=model_name).set(1)
         self._lock = threading.Lock()  # the sums behind the ratio gauges
@@ -64,18 +83,35 @@ class ServerMetrics:
         self._position: list[list[int]] = []  # [i] = [accepted, drafted]
 
     # --- called on the engine loop thread ------------------------------------------------------------------
-    def on_output(self, out: RequestOutput, new_prompt_tokens: int, new_tokens: int) -> None:
+    def on_output(self, out: RequestOutput, new_prompt_tokens: int, new_tokens: int,
+                  now: float | None = None) -> None:
+        """``new_tokens`` more tokens of ``out`` (all samples together) arrived at ``now`` (perf_counter)."""
         if new_prompt_tokens:
             self.prompt_tokens.inc(new_prompt_tokens)
-        if new_tokens > 0:
-            self.generation_tokens.inc(new_tokens)
+        if new_tokens <= 0:
+            return
+        self.generation_tokens.inc(new_tokens)
+        now = time.perf_counter() if now is None else now
+        last = self._last_token_time.get(out.request_id)
+        if last is None:  # the first tokens: TTFT from the request's own clock; the rest of the step's tokens follow
+            ttft = (out.metrics or {}).get("time_to_first_token")
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            new_tokens -= 1
+            last = now
+        for _ in range(new_tokens):
+            self.itl.observe((now - last) / new_tokens)
+        self._last_token_time[out.request_id] = now
 
     def on_finished(self, out: RequestOutput, raw=None) -> None:
         """Count a finished request. ``raw``: its ``RequestMetrics`` (exact per-position counts), or None to
         use the summary dict ``out.metrics`` alone (then positions are not counted)."""
         for c in out.outputs:
             self.finished.labels(finish_reason=c.finish_reason or "unknown").inc()
+        self._last_token_time.pop(out.request_id, None)
         m = out.metrics or {}
+        if m.get("wall_time") is not None:
+            self.e2e.observe(m["wall_time"])
         rounds = m.get("num_rounds") or 0
         if not rounds:
             return

@@ -435,6 +435,12 @@ def test_models_health_and_metrics(servers):
                  "specdec_spec_decode_mean_tokens_per_round", "specdec_spec_decode_per_position_acceptance"):
         assert name in families, name
     assert _sample(text, "specdec_generation_tokens_total") >= 20
+    # the latency histograms: TTFT once per request that generated, e2e once per finished request, the
+    # inter-token latency once per generated token after each request's first
+    generated, first = (_sample(text, "specdec_generation_tokens_total"),
+                        _sample(text, "specdec_time_to_first_token_seconds_count"))
+    assert first >= 1 and _sample(text, "specdec_e2e_request_latency_seconds_count") >= 1
+    assert _sample(text, "specdec_inter_token_latency_seconds_count") == generated - first
     assert 0 < _sample(text, "specdec_spec_decode_acceptance_rate") <= 1
     assert _sample(text, "specdec_spec_decode_mean_tokens_per_round") >= 1
     positions = [s for s in families["specdec_spec_decode_per_position_acceptance"].samples]
