@@ -97,7 +97,7 @@ def smollm2_gguf(folder: Path) -> Path:
 
 class ProposeTimer:
     """Host seconds and calls of an engine's ``proposer.propose`` while ``active`` (an instance attribute that
-    wraps the bound method: the decoder calls ``self.proposer.propose``)."""
+    wraps the bound method: ``Speculator.draft`` calls ``self.proposer.propose``)."""
 
     def __init__(self, llm: specdec.LLM):
         proposer = llm.engine.speculative.proposer

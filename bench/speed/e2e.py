@@ -215,11 +215,11 @@ def eagle3_step_seconds(head, batch: int, context: int, reps: int = 3, block_siz
 def draft_step_model(llm: specdec.LLM):
     """(draft model, its config, EAGLE-3 head) of a speculative engine, for ``measure_costs``: model-free drafters
     give (None, None, None) - c = 0."""
-    drafter = llm.engine.speculative.proposer
-    drafter = getattr(drafter, "draft_model", drafter)  # the combined drafter holds the draft-model drafter
-    head = getattr(drafter, "head", None)
+    proposer = llm.engine.speculative.proposer
+    head = getattr(proposer, "head", None)  # an EAGLE-3 head (its Proposer.draft_model is None)
     if head is not None:
         return None, None, head
+    drafter = proposer.draft_model  # the draft model (alone or inside a combined proposer), or None
     runner = getattr(drafter, "runner", None)
     return (runner.model, drafter.config, None) if runner is not None else (None, None, None)
 

@@ -1,4 +1,4 @@
-"""Configuration, checked once before anything is loaded: the engine's (engine.py), the speculative decoder's
+"""Configuration, checked once before anything is loaded: the engine's (engine.py), speculative decoding's
 (speculative.py; a vLLM ``speculative_config`` dict read by vllm_compat.py), static tree shapes (tree_shape.py), the KV
 pool's size (kv_pool_sizing.py) and the tensor-parallel options (parallel.py)."""
 

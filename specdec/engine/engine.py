@@ -225,6 +225,7 @@ class LLMEngine:
         try:
             updates, failures = self._compute_isolated(batch)
         except BaseException:  # KeyboardInterrupt and the like: the step is undone; keep the queued outputs
+            undo_step(batch.seqs, self.speculative)  # a half that succeeded before a retry was interrupted too
             self._pending = outputs + self._pending
             raise
         for seq in batch.seqs:

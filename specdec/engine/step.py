@@ -12,7 +12,7 @@ never draft. The calls a speculative step makes (docs/architecture.md, "One step
     round.read                    -> VerifyResult        -> a RequestUpdate per request
 
 ``compute_step`` returns a :class:`RequestUpdate` per request and mutates no ``Sequence`` and no committed KV (the
-draft model's cache is written beyond each request's committed KV; ``Speculator.discard`` forgets it), so a step
+draft model's cache is written beyond the draft's valid length; ``Speculator.discard`` forgets it), so a step
 that raises can be retried on a smaller batch or dropped: ``LLMEngine`` applies the updates in its commit phase,
 request by request - a verified round's KV edit (accepted path moved, both caches cut) included
 (``Speculator.finish_round``). That split is what failure isolation rests on (docs/architecture.md, "Failure

@@ -24,8 +24,11 @@ class ForwardTimer:
 
     def __init__(self):
         self._pending: list[tuple[torch.cuda.Event, torch.cuda.Event, Callable[[float], None]]] = []
+        self.paused = False  # while True, start() returns None and stop(None, ...) records nothing
 
-    def start(self, device: torch.device) -> torch.cuda.Event | tuple[Callable[[], float], float]:
+    def start(self, device: torch.device) -> torch.cuda.Event | tuple[Callable[[], float], float] | None:
+        if self.paused:
+            return None
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -33,8 +36,10 @@ class ForwardTimer:
         clock = _cpu_clock()
         return clock, clock()
 
-    def stop(self, start: torch.cuda.Event | tuple[Callable[[], float], float],
+    def stop(self, start: torch.cuda.Event | tuple[Callable[[], float], float] | None,
              record: Callable[[float], None]) -> None:
+        if start is None:  # started while paused
+            return
         if isinstance(start, tuple):
             clock, began = start
             record(clock() - began)
@@ -42,6 +47,10 @@ class ForwardTimer:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._pending.append((start, end, record))
+
+    def clear(self) -> None:
+        """Drop the timings not yet recorded (a cost model reset: they belong to the forgotten one)."""
+        self._pending = []
 
     def flush(self) -> None:
         """Record every timed forward whose end event has completed (none is waited for)."""

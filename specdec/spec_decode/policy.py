@@ -2,8 +2,8 @@
 (chain or tree) of its round - and what the policy learns from every round (adaptive k: acceptance estimates and
 measured forward costs).
 
-The policy never drafts and never verifies; ``round.py`` asks it for each round's plan, the engine's commit tells
-it each verified round's outcome (``observe_round``), and the step's target forward is timed through
+The policy never drafts and never verifies; ``Speculator.draft`` asks it for each round's plan, the engine's commit
+tells it each verified round's outcome (``observe_round``), and the step's target forward is timed through
 :meth:`SpeculationPolicy.timing` (a context manager; nothing is timed when adaptive choices are off).
 """
 
@@ -132,15 +132,21 @@ class SpeculationPolicy:
     @contextlib.contextmanager
     def timing(self, device: torch.device, enabled: bool = True) -> Iterator[StepTiming | None]:
         """The step's timings: yields a :class:`StepTiming` (None when adaptive choices are off or ``enabled`` is
-        False: nothing is timed); on exit - after the step's host read - the timings that have completed go to
-        the cost model (no sync)."""
-        if self.timer is None or not enabled:
+        False: then nothing is timed, the proposer's draft steps neither - a retried half of a failed step is not
+        the batch size the costs are kept for); on a normal exit - after the step's host read - the timings that
+        have completed go to the cost model (no sync; a step that raised leaves them to the next flush)."""
+        if self.timer is None:
             yield None
             return
-        try:
-            yield StepTiming(self, device)
-        finally:
-            self.timer.flush()
+        if not enabled:
+            self.timer.paused = True
+            try:
+                yield None
+            finally:
+                self.timer.paused = False
+            return
+        yield StepTiming(self, device)
+        self.timer.flush()
 
     # --- costs before the first request ----------------------------------------------------------------------
     def calibrate(self, target: ModelRunner, draft: ModelRunner | None) -> None:
@@ -160,6 +166,7 @@ class SpeculationPolicy:
             return
         self.cost_model = MeasuredCostModel(is_model_free=not self.spec_config.drafts_with_a_model)
         self.adaptive = self._new_adaptive()
+        self.timer.clear()  # forwards timed for the forgotten model
         if self._runners is not None:
             self.calibrate(*self._runners)
 

@@ -52,7 +52,8 @@ def _check(engine) -> None:
     for seq in waiting.values():
         assert seq.num_computed == 0
     proposer = engine.speculative.proposer if engine.speculative else None
-    kv_len = getattr(getattr(proposer, "draft_model", proposer), "kv_len", None)
+    drafter = (proposer.draft_model or proposer) if proposer is not None else None  # an EAGLE-3 head: itself
+    kv_len = getattr(drafter, "kv_len", None)
     if kv_len is not None:
         for seq_id, n in kv_len.items():
             if seq_id in running:

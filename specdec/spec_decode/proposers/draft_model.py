@@ -224,10 +224,11 @@ class DraftModelProposer:
 
     # --- the cache after verification -----------------------------------------------------------------------
     def move_accepted_path(self, request: RequestView, accepted_nodes: list[int]) -> None:
-        """After a tree round, before the commit: move the accepted path's fed nodes (they sit level by level after
-        the root, ``request.num_computed``) to ``root + 1 ..`` in the draft cache with one ``KVPool.compact``, and let
-        the valid length cover them. Only the path's fed prefix moves (a fed node's ancestors are fed); the rest -
-        its last node when that is a leaf at the depth cap, and the bonus token - is left to the next catch-up."""
+        """At the commit of a tree round, before ``num_computed`` advances: move the accepted path's fed nodes (they
+        sit level by level after the root, ``request.num_computed``) to ``root + 1 ..`` in the draft cache with one
+        ``KVPool.compact``, and let the valid length cover them. Only the path's fed prefix moves (a fed node's
+        ancestors are fed); the rest - its last node when that is a leaf at the depth cap, and the bonus token - is
+        left to the next catch-up."""
         fed = self.tree_positions.pop(request.seq_id, None)
         if not fed:
             return
