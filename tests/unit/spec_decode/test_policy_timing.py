@@ -9,6 +9,7 @@ import torch
 from helpers import small_llm
 
 from specdec import SamplingParams, SpeculativeConfig
+from specdec.spec_decode.cost_model import FixedCostModel
 
 CPU = torch.device("cpu")
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -16,8 +17,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture
 def llm(tiny_pair):
+    """Self-drafting with injected free costs: adaptive k always drafts k = 3 (pure steps 1 and 2 are timed), whatever
+    the machine's load."""
     return small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=128, speculative=SpeculativeConfig(
-        draft_model=tiny_pair[1], num_speculative_tokens=3, adaptive=True))
+        draft_model=tiny_pair[0], num_speculative_tokens=3, adaptive=True, cost_model=FixedCostModel(c=0.0)))
 
 
 def record_draft_timings(policy) -> list[int]:
@@ -48,5 +51,6 @@ def test_a_step_that_raises_records_no_timing_and_reset_drops_pending_ones(llm):
             policy.timer._pending.append((None, None, recorded.append))  # a CUDA timing still in flight
             raise RuntimeError("boom")
     assert policy.timer._pending, "a step that raised flushed its timings"
+    policy.spec_config.cost_model = None  # reset_adaptive keeps injected costs: let it reset this once
     policy.reset_adaptive()
     assert policy.timer._pending == [] and recorded == []
