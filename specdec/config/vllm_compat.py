@@ -54,14 +54,17 @@ def speculative_config_from_dict(config: dict) -> SpeculativeConfig:
     if "num_speculative_tokens" not in config:
         raise ValueError("speculative_config: num_speculative_tokens is required")
     ours = {key: config[key] for key in OUR_KEYS if key in config}
+    vllm_ngram = method == "prompt_lookup" and (config.get("method") in ("ngram", "[ngram]")
+                                                 or (config.get("method") is None and model in ("ngram", "[ngram]")))
     if method == "prompt_lookup":
         if model not in (None, "ngram", "[ngram]"):
-            raise ValueError(f"speculative_config: method 'ngram' (prompt lookup) takes no model, got {model!r}")
+            raise ValueError(f"speculative_config: prompt lookup (vLLM's 'ngram') takes no model, got {model!r}")
+        model = None
+    if vllm_ngram:  # vLLM's defaults and rule (one bound given sets the other); our own name keeps ours
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
         low, high = (5, 5) if low is None and high is None else (low if low is not None else high,
                                                                  high if high is not None else low)
         ours.update(prompt_lookup_min=low, prompt_lookup_max=high)
-        model = None
     elif method in ("draft_model", "eagle3") and model is None:
         raise ValueError(f"speculative_config: method {method!r} needs 'model' (the draft model or head)")
     quantization = config.get("quantization")

@@ -68,7 +68,7 @@ class SpeculativeRound:
             tree = proposal.trees[b]
             return ForwardItem(seq.seq_id, list(tree.token_ids), seq.num_computed, len(tree.token_ids),
                                positions=[seq.num_computed + depth for depth in tree.depths], mask=tree.mask())
-        k = proposal.counts()[b]
+        k = self.drafted[b]  # a chain's length
         drafts = proposal.token_ids[b] if proposal.token_ids is not None else [DEVICE_DRAFT] * k
         return ForwardItem(seq.seq_id, [seq.last_token_id, *drafts], seq.num_computed, k + 1)
 

@@ -33,7 +33,8 @@ from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
      {"method": "draft_model", "draft_tensor_parallel_size": 1, "draft_quantization": "int4"}),
     ({"model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 3}, {"method": "eagle3"}),
     ({"method": "prompt_lookup", "num_speculative_tokens": 4, "adaptive": True, "tree": "dynamic"},
-     {"method": "prompt_lookup", "adaptive": True, "tree": "dynamic", "prompt_lookup_min": 5}),
+     {"method": "prompt_lookup", "adaptive": True, "tree": "dynamic", "prompt_lookup_min": 2,
+      "prompt_lookup_max": 4}),  # our own method name keeps our defaults
     ({"method": "ngram_table", "num_speculative_tokens": 4}, {"method": "ngram_table"}),
 ])
 def test_vllm_keys_mean_what_they_mean_in_vllm(config, expected):
