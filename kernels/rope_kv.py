@@ -8,8 +8,10 @@ its v straight into the slot ``slot_mapping[t]`` of the paged cache.
 
 Rounding follows the torch reference (``rope_write_kv_reference``, the CPU path and the oracle): cos/sin rounded to
 the model dtype, each product rounded, the sum rounded. A product of two bf16/fp16 values is exact in fp32, so the
-kernel gives the reference's values bit for bit in every dtype - up to a compiler contracting a multiply-add into an
-FMA in fp32 (the GPU compile may; the interpreter does not).
+kernel gives the reference's values bit for bit in every dtype, provided the compiler does not contract a product
+and the sum into one FMA across the casts: on an H200 it did (one ulp in ~17% of bf16/fp16 elements,
+bench/results/gpu_h200_20261128_tests/), so the kernel is compiled with ``COMPILE_OPTIONS`` (no FP fusion;
+``tests/kernels/test_gpu_compile_fused_forward.py`` checks its PTX has no ``fma``).
 
 Also here: :func:`write_kv`, the cache write the reference uses, with its ``torch.compile``-opaque custom op.
 """
@@ -19,6 +21,10 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels._triton import tl, triton
+
+# NOTE: the GPU compile would otherwise fuse x1 * cos with the following add into an FMA, skipping the product's
+# rounding to the model dtype that the reference (HF's rope in that dtype) does
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -122,6 +128,7 @@ def rope_write_kv(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     _rope_write_kv_kernel[(tokens, num_heads + num_kv_heads)](
         qkv, positions, cos, sin, slot_mapping, k_cache, v_cache, q, qkv.stride(0), num_heads, num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1 if head_dim <= 128 else 2,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     return q
 

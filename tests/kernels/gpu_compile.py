@@ -66,6 +66,9 @@ class CompileJob:
     # Arguments a real launch would specialise as 16-divisible (pointers are 16-byte aligned from torch's
     # allocator; ints that are multiples of 16). This changes vectorisation, so it changes register counts.
     divisible_by_16: tuple[str, ...] = ()
+    # Triton's compile option of that name: False where the launcher passes it (a kernel that must round as torch
+    # does, e.g. kernels/rope_kv.py). The report counts the PTX's fused multiply-adds (``fma_count``).
+    enable_fp_fusion: bool = True
 
 
 def arg_names(kernel) -> list[str]:
@@ -103,6 +106,7 @@ def job_from_launch(
     num_stages: int,
     arch: int,
     do_not_specialize: Iterable[str] | None = None,
+    enable_fp_fusion: bool = True,
 ) -> CompileJob:
     """The job a real launch ``kernel[grid](**args, **constexprs)`` would compile: argument types and the
     16-divisibility / ``== 1`` specialisations are derived from the values the way Triton's launcher derives
@@ -130,7 +134,8 @@ def job_from_launch(
             signature[name] = ty
             if key == "D":
                 divisible.append(name)
-    return CompileJob(module, kernel_name, signature, constexprs, num_warps, num_stages, arch, tuple(divisible))
+    return CompileJob(module, kernel_name, signature, constexprs, num_warps, num_stages, arch, tuple(divisible),
+                      enable_fp_fusion)
 
 
 _POINTER_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64", "bool": "u1",
@@ -288,6 +293,7 @@ def _compile_one(job: dict) -> dict:
 
     start = time.perf_counter()
     report = {**job, "registers": None, "stack": None, "local": None, "spill_stores": None, "spill_loads": None,
+              "fma_count": None,
               "loop_local_accesses": None}  # fmt: skip
     report.update(shared=None, error=None)
     try:
@@ -299,8 +305,10 @@ def _compile_one(job: dict) -> dict:
         ck = triton.compile(
             src,
             target=GPUTarget("cuda", job["arch"], 32),
-            options={"num_warps": job["num_warps"], "num_stages": job["num_stages"]},
+            options={"num_warps": job["num_warps"], "num_stages": job["num_stages"],
+                     "enable_fp_fusion": job.get("enable_fp_fusion", True)},
         )
+        report["fma_count"] = len(re.findall(r"\bfma\.", ck.asm["ptx"]))
         report["shared"] = int(ck.metadata.shared)
         bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
         report.update(_resource_usage(ck.asm["cubin"], bin_dir))

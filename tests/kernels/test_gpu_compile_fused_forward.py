@@ -9,6 +9,7 @@ import torch
 from gpu_compile import compile_reports, format_table, job_from_launch
 
 from specdec.kernels.rms_norm import rms_norm_config
+from specdec.kernels.rope_kv import COMPILE_OPTIONS as ROPE_OPTIONS
 from specdec.kernels.silu_mul import _BLOCK as SILU_BLOCK
 
 MODELS = {  # name: (hidden, intermediate, Hq, Hkv, D)
@@ -35,15 +36,22 @@ def _jobs(hidden, inter, hq, hkv, d, dtype, arch):
     args = dict(gate_up_ptr=gate_up, out_ptr=gate_up, inter=inter, gate_up_row_stride=2 * inter)
     yield "silu_mul", job_from_launch("specdec.kernels.silu_mul", "_silu_mul_kernel", args,
                                       {"BLOCK": min(SILU_BLOCK, 1 << (inter - 1).bit_length())}, 4, 3, arch, ())
+    yield "rope_write_kv", _rope_job(_rope_args(hq, hkv, d, dtype), d, arch, ROPE_OPTIONS["enable_fp_fusion"])
+
+
+def _rope_job(args, d, arch, enable_fp_fusion):
+    return job_from_launch("specdec.kernels.rope_kv", "_rope_write_kv_kernel", args,
+                           {"HEAD_DIM": d, "BLOCK_HALF": d // 2}, 1, 3, arch, (), enable_fp_fusion)
+
+
+def _rope_args(hq, hkv, d, dtype):
     qkv = torch.empty(TOKENS, (hq + 2 * hkv) * d, dtype=dtype, device=META)
     index = torch.empty(TOKENS, dtype=torch.int64, device=META)
     table = torch.empty(MAX_POS, d, dtype=torch.float32, device=META)
     cache = torch.empty(NUM_SLOTS, hkv, d, dtype=dtype, device=META)
-    args = dict(qkv_ptr=qkv, positions_ptr=index, cos_ptr=table, sin_ptr=table, slot_mapping_ptr=index,
+    return dict(qkv_ptr=qkv, positions_ptr=index, cos_ptr=table, sin_ptr=table, slot_mapping_ptr=index,
                 k_cache_ptr=cache, v_cache_ptr=cache, q_out_ptr=qkv, qkv_row_stride=qkv.shape[1], num_heads=hq,
                 num_kv_heads=hkv)
-    yield "rope_write_kv", job_from_launch("specdec.kernels.rope_kv", "_rope_write_kv_kernel", args,
-                                           {"HEAD_DIM": d, "BLOCK_HALF": d // 2}, 1, 3, arch, ())
 
 
 def test_fused_forward_kernels_compile_without_spills():
@@ -61,3 +69,24 @@ def test_fused_forward_kernels_compile_without_spills():
         assert r["error"] is None, f"{where}:\n{r['error']}"
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{where}: spills"
         assert r["shared"] <= 99 * 1024, f"{where}: {r['shared']} bytes of shared memory"
+
+
+def test_rope_kernel_rounds_each_product_no_fma_in_its_ptx():
+    """The rope kernel as launched compiles to PTX without a fused multiply-add in bf16 and fp16 for sm_90 (and fp16
+    for sm_80) (an FMA skips the
+    product's rounding to the model dtype: one ulp off torch in ~17% of elements on an H200); compiled with Triton's
+    default FP fusion, the same kernel has FMAs - the mutant this check must catch."""
+    jobs, labels = [], []
+    # NOTE: not bf16 on sm_80, which has no bf16 multiply or add: the compiler narrows the exact fp32 products to
+    # bf16 operations and emulates them as fma.rn.bf16 with 1 or -0 operands, one rounding per operation
+    for dtype, arch in ((torch.bfloat16, 90), (torch.float16, 90), (torch.float16, 80)):
+        args = _rope_args(4, 2, 64, dtype)
+        for fusion in (ROPE_OPTIONS["enable_fp_fusion"], True):
+            jobs.append(_rope_job(args, 64, arch, fusion))
+            labels.append((str(dtype)[6:], arch, fusion))
+    for (dtype, arch, fusion), r in zip(labels, compile_reports(jobs, workers=2), strict=True):
+        assert r["error"] is None, f"{dtype} sm_{arch} fusion={fusion}:\n{r['error']}"
+        if fusion:
+            assert r["fma_count"] > 0, f"{dtype} sm_{arch}: the fusing compile has no FMA, the check cannot fail"
+        else:
+            assert r["fma_count"] == 0, f"{dtype} sm_{arch}: {r['fma_count']} FMAs in the shipped rope kernel"
