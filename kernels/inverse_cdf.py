@@ -35,13 +35,21 @@ draw their correction / bonus token by the exponential race instead, see docs/ke
 Where CPU and CUDA may still differ: float64 rounding only (``torch.cumsum`` on CUDA scans in parallel), so a token
 mismatch needs a threshold within ~1e-16 of a boundary. The uniform has 46 random bits (2**-46 ~ 1.4e-14), far
 finer than fp32 probabilities.
+
+Two implementations of the one contract: the torch functions here (``sample_inverse_cdf_reference``: the CPU path
+and the oracle) and the Triton kernel (``sample_inverse_cdf``: the Philox draw and the two-level search in one
+launch, one program per row, the CUDA path through ``specdec.ops``). The torch form is ~200 small ops (Philox's
+rounds alone are ~150); on an H200 plain decoding at T = 0.8 ran 2.6x slower than greedy with it
+(bench/results/gpu_h200_20261128_real/). The kernel reads the row twice - pass 1 the total, pass 2 the chunk
+(each chunk's canonical sum recomputed: the same bits) - then the chunk once more for its lanes.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.kernels.philox import draw_uniforms
+from specdec.kernels._triton import tl, triton
+from specdec.kernels.philox import draw_uniforms, philox_uniform_tl
 
 CDF_CHUNK = 256  # ids per chunk of the two-level search (a power of two; part of the contract, see above)
 BELOW_ONE = 1.0 - 2.0**-53  # total * BELOW_ONE is the largest float64 below a (normal, > 0) total
@@ -121,15 +129,115 @@ def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(found, chunk.squeeze(1) * CDF_CHUNK + lane, 0)
 
 
-def sample_inverse_cdf(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                       stream: int) -> torch.Tensor:
+def sample_inverse_cdf_reference(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                                 stream: int) -> torch.Tensor:
     """Exact categorical sampling of each row of ``weights [R, V]`` (non-negative, unnormalised) with its one
     uniform from Philox(seed, position, stream): int64 ``[R]`` on ``weights``' device (``seeds``, ``positions``:
     int64 ``[R]``)."""
+    _check_sample_args(weights, seeds, positions)
+    return inverse_cdf(weights, draw_uniforms(seeds.to(weights.device), positions.to(weights.device), stream))
+
+
+def _check_sample_args(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> None:
     if seeds.shape != (weights.shape[0],) or positions.shape != seeds.shape:
         raise ValueError(f"sample_inverse_cdf needs seeds, positions [R] for weights [R, V]; got weights "
                          f"{tuple(weights.shape)}, seeds {tuple(seeds.shape)}, positions {tuple(positions.shape)}")
-    return inverse_cdf(weights, draw_uniforms(seeds.to(weights.device), positions.to(weights.device), stream))
+
+
+# ------------------------------------------------------------------------------------------------- Triton
+
+
+@triton.jit
+def _chunk_sum(w):
+    """The canonical halving sum of one chunk ``w`` fp32 [256] (module docstring): each step adds element i to
+    element i + h as one IEEE addition (a sum over an axis of length 2), h = 128 down to 1."""
+    x = tl.sum(tl.reshape(w, (2, 128)), axis=0)
+    x = tl.sum(tl.reshape(x, (2, 64)), axis=0)
+    x = tl.sum(tl.reshape(x, (2, 32)), axis=0)
+    x = tl.sum(tl.reshape(x, (2, 16)), axis=0)
+    x = tl.sum(tl.reshape(x, (2, 8)), axis=0)
+    x = tl.sum(tl.reshape(x, (2, 4)), axis=0)
+    x = tl.sum(tl.reshape(x, (2, 2)), axis=0)
+    x = tl.sum(tl.reshape(x, (2, 1)), axis=0)
+    return tl.sum(x, axis=0)
+
+
+@triton.jit
+def _sample_inverse_cdf_kernel(
+    weights_ptr,  # fp32 [R, V], unit column stride
+    seeds_ptr,  # int64 [R]
+    positions_ptr,  # int64 [R]
+    out_ptr,  # int64 [R]
+    row_stride,
+    vocab,
+    stream,
+    CHUNK: tl.constexpr,  # CDF_CHUNK (the canonical sum is written out for 256)
+):
+    row = tl.program_id(0).to(tl.int64)
+    seed = tl.load(seeds_ptr + row)
+    position = tl.load(positions_ptr + row)
+    word = tl.arange(0, 2)
+    u01 = philox_uniform_tl(seed, position, stream, word)  # fp32 [2]: the block's words 0 and 1
+    u0 = tl.sum(tl.where(word == 0, u01, 0.0), axis=0).to(tl.float64)
+    u1 = tl.sum(tl.where(word == 1, u01, 0.0), axis=0).to(tl.float64)
+    u = u0 + (u1 - 0.5) * 1.1920928955078125e-07  # uniforms_to_draw: 2**-23
+    row_ptr = weights_ptr + row * row_stride
+    lanes = tl.arange(0, CHUNK)
+    num_chunks = tl.cdiv(vocab, CHUNK)
+    # pass 1: the total, chunk by chunk in float64 (the reference's sequential cumsum)
+    total = tl.zeros((), dtype=tl.float64)
+    for c in range(0, num_chunks):
+        ids = c * CHUNK + lanes
+        total += _chunk_sum(tl.load(row_ptr + ids, mask=ids < vocab, other=0.0)).to(tl.float64)
+    capped = total * 0.9999999999999999  # BELOW_ONE = 1 - 2**-53
+    t = u * total
+    t = tl.where(t < capped, t, capped)  # NaN / inf totals stay NaN / inf: no chunk passes
+    # pass 2: the first chunk c with cum_c > t, its cum_(c-1) and its sum
+    cum = tl.zeros((), dtype=tl.float64)
+    base = tl.zeros((), dtype=tl.float64)
+    mass = tl.zeros((), dtype=tl.float32)
+    chunk = tl.full((), -1, dtype=tl.int32)
+    for c in range(0, num_chunks):
+        ids = c * CHUNK + lanes
+        s = _chunk_sum(tl.load(row_ptr + ids, mask=ids < vocab, other=0.0))
+        after = cum + s.to(tl.float64)
+        hit = (after > t) & (chunk < 0)
+        chunk = tl.where(hit, c, chunk)
+        base = tl.where(hit, cum, base)
+        mass = tl.where(hit, s, mass)
+        cum = after
+    found = chunk >= 0
+    chunk = tl.maximum(chunk, 0)
+    ids = chunk * CHUNK + lanes
+    local = tl.load(row_ptr + ids, mask=ids < vocab, other=0.0)  # fp32 [CHUNK]
+    running = tl.cumsum(local.to(tl.float64), axis=0)  # L
+    last = tl.sum(tl.where(lanes == CHUNK - 1, running, 0.0), axis=0)  # L_last
+    lane = tl.sum((running * mass.to(tl.float64) <= (t - base) * last).to(tl.int32), axis=0)
+    lane = tl.minimum(lane, tl.max(tl.where(local > 0, lanes, 0), axis=0))  # never a zero-weight token
+    token = tl.where(found, chunk * CHUNK + lane, 0)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def sample_inverse_cdf(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                       stream: int) -> torch.Tensor:
+    """Triton form of :func:`sample_inverse_cdf_reference` (same arguments and result): one launch, no host read.
+    The same token as the reference but where float64 rounding of a chunk's running sum puts the threshold on a
+    boundary (module docstring)."""
+    _check_sample_args(weights, seeds, positions)
+    if weights.dim() != 2 or weights.shape[-1] < 1:
+        raise ValueError(f"sample_inverse_cdf needs weights [R, V] with V >= 1; got {tuple(weights.shape)}")
+    weights = weights.to(torch.float32)
+    if weights.stride(-1) != 1:
+        weights = weights.contiguous()
+    rows, vocab = weights.shape
+    out = torch.empty(rows, dtype=torch.int64, device=weights.device)
+    if rows == 0:
+        return out
+    seeds = seeds.to(device=weights.device, dtype=torch.int64).contiguous()
+    positions = positions.to(device=weights.device, dtype=torch.int64).contiguous()
+    _sample_inverse_cdf_kernel[(rows,)](weights, seeds, positions, out, weights.stride(0), vocab, stream,
+                                        CHUNK=CDF_CHUNK, num_warps=4)  # fmt: skip
+    return out
 
 
 def _last_positive(x: torch.Tensor) -> torch.Tensor:

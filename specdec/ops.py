@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from specdec.kernels import block_verify as _block_verify
+from specdec.kernels import inverse_cdf as _inverse_cdf
 from specdec.kernels import kv_compact as _kv_compact
 from specdec.kernels import paged_attention as _attention
 from specdec.kernels import paged_attention_reference as _attention_reference
@@ -179,6 +180,15 @@ def softmax_with_temperature(logits: torch.Tensor, temperature: torch.Tensor) ->
     if use_triton(logits):
         return _launcher(_softmax, "softmax_with_temperature")(logits, temperature)
     return _softmax.softmax_with_temperature_reference(logits, temperature)
+
+
+def sample_inverse_cdf(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int
+                       ) -> torch.Tensor:
+    """One token per row of ``weights [R, V]`` by inverse CDF with its Philox uniform: int64 ``[R]``; see
+    ``specdec.kernels.inverse_cdf``."""
+    if use_triton(weights):
+        return _launcher(_inverse_cdf, "sample_inverse_cdf")(weights, seeds, positions, stream)
+    return _inverse_cdf.sample_inverse_cdf_reference(weights, seeds, positions, stream)
 
 
 def top_k_top_p_min_p(

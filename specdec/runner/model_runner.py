@@ -83,17 +83,44 @@ class ModelRunner:
         ``input_ids``: int64 ``[sum(len(token_ids))]`` on the device, the new tokens themselves when they are
         already there (a draft step's previous drafts); the items' ``token_ids`` then only give the counts.
         """
-        meta, ids, positions, logits_indices = self.prepare(items, with_ids=input_ids is None)
+        pad_to = self.padded_q_len(items) if input_ids is None else None
+        meta, ids, positions, logits_indices = self.prepare(items, with_ids=input_ids is None, pad_to=pad_to)
         if input_ids is not None:
             assert input_ids.shape == positions.shape, "input_ids must hold one id per new token"
             ids = input_ids
         self.num_forwards += 1
-        q_len = uniform_q_len(items) if self.static is not None else None
+        q_len = pad_to or (uniform_q_len(items) if self.static is not None else None)
         if q_len is not None:
             out = self._static_forward(ids, positions, meta, q_len, logits_indices)
             if out is not None:
                 return out
         return self.model(ids, positions, self.pool.tensors, meta, logits_indices)
+
+    def padded_q_len(self, items: list[ForwardItem]) -> int | None:
+        """The ``q_len`` a ragged batch of causal windows is padded to so that a static forward serves it, or None.
+
+        A model-free drafter proposes a different number of tokens per request (none where it finds no match), so
+        its verification windows are ragged; unpadded, each such forward ran eagerly (an H200 run at batch 8: 56-97%
+        of them, several ms each against ~1.5 ms replayed; bench/results/gpu_h200_20261128_real/). Padded, every
+        window has the smallest captured ``q_len`` >= the longest: the padding tokens come after each window's real
+        tokens (so causal attention keeps them out of the real tokens' results), write their K/V into the scratch
+        block, and their logits are not computed. Only with static forwards on (the CPU default path is unchanged),
+        only causal windows (no tree masks or explicit positions), and only where every padded table fits the block
+        manager's table width."""
+        static = self.static
+        if static is None or len(items) < 2:
+            return None
+        lengths = [len(item.token_ids) for item in items]
+        longest = max(lengths)
+        if min(lengths) == longest or min(lengths) == 0:
+            return None  # uniform already, or an empty item
+        if any(item.mask is not None or item.positions is not None for item in items):
+            return None
+        q_len = next((q for q in sorted(static.q_lens) if q >= longest), None)
+        bm = self.block_manager
+        if q_len is None or any(bm.blocks_needed(item.start_pos + q_len) > bm.table_array.shape[1] for item in items):
+            return None
+        return q_len
 
     def forward_with_aux_hidden(self, items: list[ForwardItem], aux_layers: tuple[int, ...],
                                 input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,10 +151,15 @@ class ModelRunner:
             self.static = None
             return None
 
-    def prepare(self, items: list[ForwardItem], with_ids: bool = True
+    def prepare(self, items: list[ForwardItem], with_ids: bool = True, pad_to: int | None = None
                 ) -> tuple[AttentionMetadata, torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """The device inputs of a forward over ``items``: ``(meta, input_ids int64 [T] or None, positions int64
         [T], logits_indices int64 [N])``, views of the staging buffer valid until the next ``prepare``.
+
+        ``pad_to`` (``padded_q_len``'s answer; causal items with ids only): each item's window is followed by
+        ``pad_to - len(token_ids)`` padding tokens (id 0, the next positions, K/V slots in the scratch block, no
+        logits), so ``T = len(items) * pad_to`` and the batch is uniform. Its attention reads the table entries of
+        those positions (a block of the sequence's or block 0 beyond its table: stale values, read only).
 
         Raises ``RuntimeError`` (before anything is staged) if a new token's slot lies in a block that is
         shared or registered in the prefix cache (``BlockManager.slot``'s rule)."""
@@ -146,6 +178,9 @@ class ModelRunner:
         masks: list[np.ndarray | None] = []  # each item's tree mask, flat, on the host
         mask_numel = 0  # bool entries of every tree mask, packed
         cu = 0
+        if pad_to is not None:
+            assert with_ids and self.scratch_block is not None, "padding needs the ids and the scratch block"
+            scratch_slot = self.scratch_block * bs
         for item in items:
             seq_id, start = item.seq_id, item.start_pos
             n = len(item.token_ids)
@@ -172,11 +207,17 @@ class ModelRunner:
             if with_ids:
                 token_ids += item.token_ids
             logits_indices += range(cu + n - item.num_logits, cu + n)
+            if pad_to is not None and pad_to > n:
+                pad = pad_to - n
+                positions += range(end, end + pad)
+                slots += (scratch_slot + j % bs for j in range(pad))
+                token_ids += [0] * pad
+                n, end = pad_to, end + pad
             cu += n
             cu_q_lens.append(cu)
             seq_lens.append(end)
             rows.append(bm.row_of(seq_id))
-            width = max(width, len(table))
+            width = max(width, len(table), -(-end // bs))
             mask = None if item.mask is None else _host_mask(item.mask)
             masks.append(mask)
             if mask is not None:

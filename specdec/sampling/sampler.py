@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.inverse_cdf import sample_inverse_cdf
+from specdec import ops
 from specdec.kernels.philox import STREAM_SAMPLE
 from specdec.sampling.metadata import SamplingMetadata
 from specdec.sampling.params import SamplingParams
@@ -21,8 +21,9 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Exact categorical sampling of each row of ``probs [R, V]`` by inverse CDF: one uniform U per row from
     Philox(seed, position, stream), the token the first id whose cumulative probability exceeds U times the row's
-    total (``specdec.kernels.inverse_cdf``; rows need not be normalised). int64 ``[R]`` on ``probs``' device."""
-    return sample_inverse_cdf(probs, seeds, positions, stream)
+    total (``specdec.kernels.inverse_cdf``; rows need not be normalised; the Triton kernel on CUDA, its torch
+    reference elsewhere). int64 ``[R]`` on ``probs``' device."""
+    return ops.sample_inverse_cdf(probs, seeds, positions, stream)
 
 
 def sample_next_tokens(

