@@ -35,6 +35,7 @@ from specdec.runner.cuda_graphs import static_forward_mode
 from specdec.runner.model_runner import ModelRunner
 from specdec.sampling.params import SamplingParams
 from specdec.spec_decode.speculator import Speculator
+from specdec.structured.grammar import GrammarCompiler
 from specdec.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class LLMEngine:
         self.config = config
         self.model_config: ModelConfig = config.model_config
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model_path)
+        self._grammar_compiler: GrammarCompiler | None = None  # structured outputs (grammar_compiler())
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self.device = config.device
         # tensor parallelism: rank 0's shards, the other ranks' worker processes (None: one process)
@@ -138,9 +140,26 @@ class LLMEngine:
     def validate_request(
         self, prompt: str | None, prompt_token_ids: list[int] | None, params: SamplingParams
     ) -> list[int]:
-        """Token ids of a request, or ``ValueError`` saying what is wrong. Changes no state."""
-        return validate_request(prompt, prompt_token_ids, params, self.tokenizer, self.model_config.vocab_size,
-                                self.config.max_model_len)
+        """Token ids of a request, or ``ValueError`` saying what is wrong (a structured output's constraint is
+        compiled here: a bad schema is refused before anything is queued). Changes no request state."""
+        ids = validate_request(prompt, prompt_token_ids, params, self.tokenizer, self.model_config.vocab_size,
+                               self.config.max_model_len)
+        if params.structured_outputs is not None:
+            self.grammar_compiler().compile(params.structured_outputs)
+        return ids
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's structured-output compiler (built on first use; ``ValueError`` without a tokenizer)."""
+        if self._grammar_compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer.json, and this model folder has none")
+            tok = self.tokenizer
+            eos = set(self.eos_token_ids)
+            if tok.eos_token is not None and tok.token_to_id(tok.eos_token) is not None:
+                eos.add(tok.token_to_id(tok.eos_token))
+            self._grammar_compiler = GrammarCompiler(tok.to_json(), self.model_config.vocab_size, sorted(eos),
+                                                     tok.vocab_size)
+        return self._grammar_compiler
 
     def add_request(
         self,
@@ -169,6 +188,8 @@ class LLMEngine:
             seq = Sequence(seq_id, own_id, prompt, ids, sample_params(params, i, seed), seed, eos)
             seq.metrics.num_prompt_tokens = len(ids)
             seq.logprobs = [] if params.logprobs is not None else None
+            if params.structured_outputs is not None:  # each sample its own matcher
+                seq.grammar = self.grammar_compiler().state(params.structured_outputs)
             seqs.append(seq)
         if params.n > 1:
             self._samples.add(request_id, seqs)

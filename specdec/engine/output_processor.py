@@ -1,8 +1,8 @@
 """Output processing: a step's tokens appended to a request one by one with stop checks, and the outputs reported.
 
 Stop conditions are checked after every token, on accepted tokens only (a verification round's tokens arrive
-together; the ones after a stop are dropped): EOS, ``stop_token_ids``, stop strings (engine/detokenizer.py),
-``max_tokens``.
+together; the ones after a stop are dropped): EOS, ``stop_token_ids``, stop strings (engine/detokenizer.py), a
+structured output's grammar complete, ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ def append_tokens(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs
 
 
 def finish_reason(seq: Sequence, token: int, stopped_by_string: bool) -> str | None:
-    """"stop" (EOS, a stop id or a stop string), "length" (``max_tokens`` reached) or None after ``token``."""
+    """"stop" (EOS, a stop id, a stop string, or a structured output's grammar complete), "length" (``max_tokens``
+    reached) or None after ``token``."""
     if stopped_by_string or token in seq.eos_token_ids or token in seq.params.stop_token_ids:
+        return "stop"
+    if seq.grammar is not None and seq.grammar.finished:
         return "stop"
     if len(seq.output_token_ids) >= seq.params.max_tokens:
         return "length"

@@ -10,6 +10,7 @@ import numpy as np
 
 from specdec.engine.token_history import TokenHistory
 from specdec.sampling.params import SamplingParams
+from specdec.structured.grammar import GrammarState
 
 
 class Status(enum.Enum):
@@ -158,6 +159,8 @@ class Sequence:
     # n > 1: this sequence is sample ``index`` of the request ``parent_id`` (its own request_id is internal)
     parent_id: str | None = None
     index: int = 0
+    # structured outputs: the grammar state after the committed output (specdec/structured/grammar.py), or None
+    grammar: GrammarState | None = None
     # detokenisation state (engine/detokenizer.py)
     output_text: str = ""
     stable_text_len: int = 0  # prefix of output_text that streaming may show
@@ -168,7 +171,10 @@ class Sequence:
         self.history = TokenHistory(prompt_ids)
 
     def append_token(self, token: int) -> None:
-        """Add one generated token (O(1) amortised): the output, the history buffer and the penalty counts."""
+        """Add one generated token (O(1) amortised): the output, the history buffer and the penalty counts, and
+        the grammar state (``ValueError`` if the grammar refuses the token: the token is not added)."""
+        if self.grammar is not None:
+            self.grammar.accept(token)
         self.history.append(token)
 
     @property

@@ -7,6 +7,7 @@ never draft. The calls a speculative step makes (docs/architecture.md, "One step
     round.window / plain_item     -> ForwardItems        one per request: a verification window or a plain chunk
     round.place                   -> input ids           the round's metadata, once the forward is laid out
     ModelRunner.forward           -> logits [R, V]       (timed by the policy for adaptive k)
+    mask_step_logits                                     structured outputs: each row masked by its grammar
     sample_plain / round.verify                          queued on the device, registered in the step's StepOutput
     StepOutput.read                                      the step's one host read
     round.read                    -> VerifyResult        -> a RequestUpdate per request
@@ -35,6 +36,7 @@ from specdec.runner.model_runner import ForwardItem, ModelRunner
 from specdec.sampling.logprobs import TokenLogprobs, token_logprobs
 from specdec.spec_decode.round import SpeculativeRound
 from specdec.spec_decode.speculator import Speculator
+from specdec.structured.step_masks import mask_step_logits
 
 
 @dataclass
@@ -80,6 +82,8 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, speculator: Specula
         forward = timed.target(len(items), input_starts[-1], tree) if timed else contextlib.nullcontext()
         with forward:
             logits, aux_hidden = _target_forward(runner, speculator, items, input_ids)  # fp32 [R, V]
+        if any(seq.grammar is not None for seq in batch.seqs):  # structured outputs: p is the constrained one
+            mask_step_logits(logits, batch.seqs, items, logits_starts, spec_round)
 
         out = StepOutput()
         plain = [i for i, item in enumerate(items) if item.num_logits and batch.seqs[i].seq_id not in verifying]

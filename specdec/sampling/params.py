@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specdec.structured.params import StructuredOutputsParams
+
 MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors (the Philox key); the engine draws unseeded ones below it
 MAX_LOGPROBS = 20  # top alternatives per token: OpenAI's top_logprobs limit and vLLM's default max_logprobs
 MAX_N = 128  # samples per request: OpenAI's limit for n; each sample is a full sequence in the batch
@@ -24,6 +26,10 @@ class SamplingParams:
     most likely tokens' - each the log-softmax of the target's raw logits, before penalties, temperature and
     filtering (docs/metrics.md). ``n`` (1..128): independent samples of the prompt, returned as ``outputs[0..n)``
     of one ``RequestOutput``; sample i > 0 uses the seed :func:`child_seed` derives from ``seed``.
+
+    ``structured_outputs`` (a :class:`~specdec.structured.StructuredOutputsParams` or a dict of its fields, vLLM's
+    shape): the output is constrained to a JSON schema, any JSON object, a regex, a choice or a Lark grammar; the
+    mask applies to the raw logits before penalties, temperature and filtering (docs/api.md, "Structured outputs").
     """
 
     temperature: float = 1.0
@@ -40,6 +46,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +91,12 @@ class SamplingParams:
                                   "log-probability only, N = also the N most likely tokens'")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"an integer in [1, {MAX_N}] (independent samples of the prompt)")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise bad("structured_outputs", "None, a StructuredOutputsParams or a dict of its fields (json, "
+                                            "json_object, regex, choice, grammar)")
 
     @property
     def is_greedy(self) -> bool:
@@ -92,6 +105,12 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def needs_host_drafts(self) -> bool:
+        """A draft model must bring its drafts to the host every draft step: the penalty context and the grammar
+        state of a draft position depend on the drafts before it."""
+        return self.has_penalties or self.structured_outputs is not None
 
 
 def child_seed(seed: int, index: int) -> int:

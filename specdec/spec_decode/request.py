@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from specdec.sampling.params import SamplingParams
+from specdec.structured.grammar import GrammarState
 
 
 class RequestView(Protocol):
@@ -20,6 +21,7 @@ class RequestView(Protocol):
     params: SamplingParams
     seed: int  # the request's randomness key
     num_computed: int  # tokens whose K/V are in the target cache (committed)
+    grammar: GrammarState | None  # structured outputs: the grammar state after the committed output, or None
 
     @property
     def prompt_token_ids(self) -> list[int]: ...

@@ -44,6 +44,10 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine builds its token table from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

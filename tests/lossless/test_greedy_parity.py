@@ -9,13 +9,15 @@ the rollback path ran), and that every block pool is whole afterwards; a case ma
 Axes: the draft model at k = 1..8, block verification, static and dynamic draft-model trees, prompt lookup and the
 n-gram table (chains and trees), combined drafting, adaptive k, EAGLE-3 heads (chains, trees, a smaller head
 vocabulary, block verification, adaptive k), reduced draft vocabularies (``draft_vocab=``), quantised targets and
-quantised self drafts, greedy requests with penalties, batch 1 and 4, and steps that mix prefill chunks, plain rows
-and rounds (a small token budget, requests near ``max_tokens``).
+quantised self drafts, greedy requests with penalties, structured outputs (a regex and a JSON schema: chains, block
+verification, trees, model-free drafters, EAGLE-3), batch 1 and 4, and steps that mix prefill chunks, plain rows and
+rounds (a small token budget, requests near ``max_tokens``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +51,8 @@ def greedy(max_tokens, **penalties):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **penalties)
 
 
+INTEGERS = {"type": "array", "items": {"type": "integer"}, "minItems": 30}  # >= 60 tokens of JSON
+
 # name -> (prompts, sampling params per prompt)
 PROMPT_SETS = {
     "random": (random_prompts(6, seed=1), [greedy(24)] * 6),
@@ -59,6 +63,11 @@ PROMPT_SETS = {
               [greedy(m) for m in (24, 2, 17, 24, 9)]),
     "penalties": (random_prompts(6, seed=3),
                   [greedy(24, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)] * 6),
+    # structured outputs: a regex and a JSON schema neither of which can end within 24 tokens (so every request
+    # ends by length; the byte tokenizer's merges make several tokenisations of one text)
+    "structured": (repetitive_prompts(6, seed=9),
+                   [greedy(24, structured_outputs={"regex": "[a-z ]{200}"})] * 3
+                   + [greedy(24, structured_outputs={"json": INTEGERS})] * 3),
 }
 TARGET_OPTS = {"pair": {"max_model_len": 256}, "eagle": {"max_model_len": 128}}
 
@@ -108,6 +117,13 @@ def cuts_the_head_to_the_subset(llm, outs, dirs):
     emits_ids_outside(set(SUBSET))(llm, outs, dirs)
     if model is not llm.engine.model and model.embed_tokens.weight is llm.engine.model.embed_tokens.weight:
         assert llm.engine.model.lm_head.out_features == VOCAB  # a self draft's cut leaves the target's head whole
+
+
+def obeys_the_constraints(llm, outs, dirs):
+    """The regex requests' text is in [a-z ], the JSON ones' a prefix of an array of integers."""
+    texts = [o.outputs[0].text for o in outs]
+    assert all(re.fullmatch(r"[a-z ]+", t) for t in texts[:3]), texts[:3]
+    assert all(re.fullmatch(r"\[\s*(-?\d+\s*,\s*)*-?\d*\s*", t) for t in texts[3:]), texts[3:]
 
 
 def draft(k, **kw):
@@ -178,6 +194,15 @@ CASES = [
     Case("draft_vocab-combined", reduced(method="combined"), prompts="repetitive", check=cuts_the_head_to_the_subset),
     Case("draft_vocab-self", lambda d: {**reduced()(d), "draft_model": "self"}, rejects=False,
          check=cuts_the_head_to_the_subset),
+    # structured outputs: p masked at every window row, a draft model's q masked along its drafts
+    *[Case(f"structured-{name}", spec, target=target, prompts="structured", rejects=rejects,
+           check=obeys_the_constraints)
+      for name, spec, target, rejects in (
+          ("draft_model", draft(3), "pair", True), ("block_verify", draft(4, verify="block"), "pair", True),
+          ("tree-static", tree([2, 2, 1]), "pair", True), ("tree-dynamic", tree("dynamic"), "pair", True),
+          ("prompt_lookup", model_free("prompt_lookup", prompt_lookup_min=1), "pair", True),
+          ("ngram_table-tree", model_free("ngram_table", tree=[3, 2, 1], tree_policy="always"), "pair", True),
+          ("eagle3-chain", eagle(), "eagle", False), ("eagle3-tree", eagle(tree=[2, 2, 1]), "eagle", False))],
     # quantised targets (int8: the w8a8 path; int4) and quantised self drafts
     *[Case(f"quantised_target-{q}", draft(3), quantization=q) for q in ("int8", "int4")],
     *[Case(f"self_draft-{q or 'fp32'}-{dq}", lambda d, dq=dq: {"draft_model": "self", "draft_quantization": dq,

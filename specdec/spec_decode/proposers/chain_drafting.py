@@ -6,6 +6,7 @@ module reads nothing else of it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec.device import to_device
@@ -15,6 +16,7 @@ from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.proposers.draft_vocab import DraftVocab, q_over_target
 from specdec.spec_decode.proposers.model_drafter import ModelDrafter
 from specdec.spec_decode.request import RequestView
+from specdec.structured.masking import mask_logits
 
 
 def draft_chains(drafter: ModelDrafter, seqs: list[RequestView], num_tokens: list[int]) -> DraftProposal:
@@ -22,13 +24,16 @@ def draft_chains(drafter: ModelDrafter, seqs: list[RequestView], num_tokens: lis
     batched: k steps, each one forward (``drafter.chain_step``) over the requests still drafting. No host read:
     the drafted ids stay on the device (``DraftProposal.device_ids``, with the NaN/inf flags of every step in
     ``bad_rows``) through the target forward, and come to the host with the verification result - unless a
-    request uses penalties: their context needs the drafts so far on the host, so then each step reads its tokens
-    (``token_ids`` is then filled too). q rows are laid out over the target's vocabulary."""
+    request uses penalties or a grammar: their context needs the drafts so far on the host, so then each step reads
+    its tokens (``token_ids`` is then filled too). A request with a grammar draws from q masked by its grammar
+    state after the drafts so far, so its drafts stay in the grammar. q rows are laid out over the target's
+    vocabulary."""
     step_tokens: list[torch.Tensor] = []  # per step: int64 [len(active)] drafted ids, on the device
     step_probs: list[torch.Tensor | None] = []  # per step: fp32 [len(active), W] q (W: logits' width), None: greedy
     owners: list[int] = []  # request of each row of torch.cat(step_tokens)
     bad_rows: list[torch.Tensor] = []  # per step: bool [len(active)] rows with NaN/inf draft logits
-    host_drafts: list[list[int]] | None = [[] for _ in seqs] if any(s.params.has_penalties for s in seqs) else None
+    # penalties and grammars read the drafts so far on the host: then each step reads its tokens
+    host_drafts = [[] for _ in seqs] if any(s.params.needs_host_drafts for s in seqs) else None
     active = [i for i, k in enumerate(num_tokens) if k > 0]
     input_ids = None  # after step 0: the previous step's drafts, still on the device
     kept = None  # after step 0: rows of the previous step still drafting (int64 on the device; None: all)
@@ -85,9 +90,9 @@ def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, 
                       bad_rows: list[torch.Tensor], noise_per_round: bool, vocab: DraftVocab | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draw the next draft token of each row from q, the draft distribution (``to_probs``) (same transform and the
-    same penalty context - prompt + output + earlier drafts - as the target's p). ``drafts``: the drafts so far
-    on the host, needed only for penalties (None otherwise). NaN/inf rows are reported into ``bad_rows``, not
-    raised, so that the check costs no host read here. ``noise_per_round``: see ``DraftModelProposer``.
+    same penalty context - prompt + output + earlier drafts - and the same grammar mask as the target's p).
+    ``drafts``: the drafts so far on the host, needed only for penalties and grammars (None otherwise). NaN/inf
+    rows are reported into ``bad_rows``, not raised, so that the check costs no host read here. ``noise_per_round``: see ``DraftModelProposer``.
     ``vocab``: ``logits`` are over a reduced draft vocabulary's columns ``[R, |S|]``: the penalty contexts are
     mapped onto them and the drafted columns back to target ids. Returns (target ids int64 ``[R]``, q fp32
     ``[R, W]`` over the logits' columns or None)."""
@@ -95,6 +100,13 @@ def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, 
                 if drafts is not None else [None] * len(seqs))
     if vocab is not None:
         contexts = [vocab.context(c) for c in contexts]
+    constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
+    if constrained:  # q masked as p will be: the grammar state after output + the drafts so far
+        allowed = np.stack([seqs[r].grammar.allowed_after(drafts[r]) for r in constrained])  # [N, V_target]
+        allowed = allowed[:, vocab.target_ids.cpu().numpy()] if vocab is not None else allowed[:, : logits.shape[1]]
+        with torch.inference_mode():
+            logits = logits.clone()  # the drafter's own logits stay as they were
+        mask_logits(logits, constrained, allowed)
     tokens, probs = sample_rows(
         logits,
         [s.params for s in seqs],

@@ -164,7 +164,7 @@ class DraftModelProposer:
         them step by step. A loop that fails is turned off for good, with a warning."""
         rows = [seqs[i] for i in active]
         if (self.loop is None or self.noise_per_round or self.timer is not None
-                or any(s.params.has_penalties for s in rows)):
+                or any(s.params.needs_host_drafts for s in rows)):
             return None
         device = self.runner.device
         bm = self.block_manager
