@@ -29,7 +29,6 @@ from specdec.kernels.silu_mul import silu_mul_reference
 from specdec.kernels.softmax import softmax_with_temperature_reference
 from specdec.kernels.spec_sample import spec_sample_reference
 
-
 MISMATCHES: list[str] = []  # the checks that failed; main exits 1 at the end if any did
 
 

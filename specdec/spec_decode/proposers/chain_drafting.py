@@ -92,10 +92,10 @@ def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, 
     """Draw the next draft token of each row from q, the draft distribution (``to_probs``) (same transform and the
     same penalty context - prompt + output + earlier drafts - and the same grammar mask as the target's p).
     ``drafts``: the drafts so far on the host, needed only for penalties and grammars (None otherwise). NaN/inf
-    rows are reported into ``bad_rows``, not raised, so that the check costs no host read here. ``noise_per_round``: see ``DraftModelProposer``.
-    ``vocab``: ``logits`` are over a reduced draft vocabulary's columns ``[R, |S|]``: the penalty contexts are
-    mapped onto them and the drafted columns back to target ids. Returns (target ids int64 ``[R]``, q fp32
-    ``[R, W]`` over the logits' columns or None)."""
+    rows are reported into ``bad_rows``, not raised, so that the check costs no host read here.
+    ``noise_per_round``: see ``DraftModelProposer``. ``vocab``: ``logits`` are over a reduced draft vocabulary's
+    columns ``[R, |S|]``: the penalty contexts and grammar masks are mapped onto them and the drafted columns back
+    to target ids. Returns (target ids int64 ``[R]``, q fp32 ``[R, W]`` over the logits' columns or None)."""
     contexts = ([s.penalty_counts(d) if s.params.has_penalties else None for s, d in zip(seqs, drafts)]
                 if drafts is not None else [None] * len(seqs))
     if vocab is not None:
