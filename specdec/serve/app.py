@@ -30,7 +30,7 @@ from specdec.engine.engine import LLMEngine
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.serve.async_engine import AsyncEngine, QueueFullError, RequestStream, ShuttingDownError
 from specdec.serve.metrics import ServerMetrics
-from specdec.serve.protocol import ParsedRequest, RequestError, parse_chat, parse_completion
+from specdec.serve.protocol import ParsedRequest, RequestError, constraint_message, parse_chat, parse_completion
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 
@@ -148,7 +148,11 @@ class _Server:
             for s in streams:
                 self.engine.abort(s.request_id)
             if isinstance(e, ValueError):
-                raise RequestError(_engine_message(str(e)), _engine_param(str(e), req.chat)) from None
+                message = str(e)
+                if message.startswith("structured_outputs") and req.structured_field is not None:
+                    raise RequestError(constraint_message(message, req.structured_field),
+                                       req.structured_field) from None
+                raise RequestError(_engine_message(message), _engine_param(message, req.chat)) from None
             if isinstance(e, QueueFullError):
                 raise RequestError(str(e), None, status=503, type="server_overloaded", code="queue_full") from None
             if isinstance(e, ShuttingDownError):

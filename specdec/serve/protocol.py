@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from specdec.sampling.params import SamplingParams
+from specdec.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,10 @@ logger = logging.getLogger(__name__)
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
            "presence_penalty", "frequency_penalty", "seed", "user",
            "top_k", "min_p", "repetition_penalty", "ignore_eos"}
+# structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields (one of them)
+STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar")
+_COMMON |= set(STRUCTURED)
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 # known but not implemented: accepted only at the value that means "off"
@@ -33,7 +38,6 @@ NEUTRAL = {
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None,),
 }
 # SamplingParams fields set from a request field of the same name
@@ -67,6 +71,7 @@ class ParsedRequest:
     fill_max_tokens: bool = False  # chat without max_tokens: what the context has left
     chat: bool = False
     messages: list[dict] = field(default_factory=list)
+    structured_field: str | None = None  # the request field the output constraint came from
 
 
 def supports(name: str) -> bool:
@@ -201,6 +206,9 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str) -> ParsedRe
     if logprobs is not None:
         fields["logprobs"] = logprobs
     names = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs" if "top_logprobs" in body else "logprobs"}
+    structured, structured_field = _structured(body)
+    if structured is not None:
+        fields["structured_outputs"] = structured
     try:
         params = SamplingParams(**fields)
     except ValueError as e:
@@ -208,7 +216,57 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str) -> ParsedRe
     except TypeError as e:  # a field SamplingParams does not take
         raise RequestError(str(e)) from None
     fill = max_tokens is None and "messages" in body  # chat's default: up to the context length
-    return ParsedRequest([], params, n, stream, include_usage, logprobs, fill_max_tokens=fill)
+    return ParsedRequest([], params, n, stream, include_usage, logprobs, fill_max_tokens=fill,
+                         structured_field=structured_field)
+
+
+def _structured(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The output constraint of a request and the field it came from: ``response_format`` (``json_object``, or
+    ``json_schema`` with ``{"name", "schema", "strict"}``), ``structured_outputs`` (vLLM: ``json``, ``regex``,
+    ``choice``, ``grammar``, ``json_object``) or vLLM's older ``guided_json`` / ``guided_regex`` / ``guided_choice``
+    / ``guided_grammar``. At most one; ``response_format: {"type": "text"}`` is no constraint."""
+    given = [k for k in STRUCTURED if body.get(k) is not None
+             and not (k == "response_format" and isinstance(body[k], dict) and body[k].get("type") == "text")]
+    if not given:
+        if "response_format" in body and not isinstance(body["response_format"], (dict, type(None))):
+            raise RequestError("'response_format' must be an object", "response_format")
+        return None, None
+    if len(given) > 1:
+        raise RequestError(f"give one output constraint, not {' and '.join(repr(g) for g in given)}", given[1])
+    key, value = given[0], body[given[0]]
+    try:
+        if key == "structured_outputs":
+            return StructuredOutputsParams.from_dict(value), key
+        if key != "response_format":  # guided_json -> json, ...
+            return StructuredOutputsParams(**{key[len("guided_"):]: value}), key
+        return _response_format(value), key
+    except ValueError as e:
+        raise RequestError(constraint_message(str(e), key), key) from None
+
+
+def constraint_message(message: str, field: str) -> str:
+    """A ``StructuredOutputsParams`` / grammar ``ValueError`` in the words of the request field ``field``."""
+    if field == "response_format":
+        message = message.replace("structured_outputs.json_schema", "response_format.json_schema")
+        message = message.replace("structured_outputs.json ", "response_format.json_schema.schema ")
+        return message.replace("structured_outputs", "response_format")
+    if field.startswith("guided_"):
+        return re.sub(r"structured_outputs(\.\w+)?", field, message, count=1)
+    return message
+
+
+def _response_format(value: object) -> StructuredOutputsParams:
+    if not isinstance(value, dict) or value.get("type") not in ("json_object", "json_schema"):
+        raise ValueError("structured_outputs 'type' must be 'text', 'json_object' or 'json_schema'")
+    if value["type"] == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise ValueError("structured_outputs.json_schema must be an object with a 'schema' object (and 'name', "
+                         "'strict')")
+    if "strict" in spec and not isinstance(spec["strict"], (bool, type(None))):
+        raise ValueError("structured_outputs.json_schema.strict must be true or false")
+    return StructuredOutputsParams(json=spec["schema"])
 
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)")

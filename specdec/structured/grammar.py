@@ -70,11 +70,12 @@ class GrammarCompiler:
             return grammar
         llg = _llguidance()
         kind = params.kind
+        options = {"whitespace_flexible": False} if params.disable_any_whitespace else None
         if kind == "json":
             schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema)
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=options)
         elif kind == "json_object":
-            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"})
+            grammar = llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=options)
         elif kind == "regex":
             grammar = llg.LLMatcher.grammar_from_regex(params.regex)
         elif kind == "choice":
@@ -94,7 +95,7 @@ class GrammarCompiler:
         matcher = _llguidance().LLMatcher(self.tokenizer, self.compile(params), log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind} is not usable: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size)
+        return GrammarState(matcher, self.vocab_size, self.eos_token_ids)
 
 
 class GrammarState:
@@ -104,9 +105,10 @@ class GrammarState:
     drafts before it) and the matcher is rolled back afterwards: only :meth:`accept` moves it for good.
     """
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: list[int]):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._eos = frozenset(eos_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -128,11 +130,14 @@ class GrammarState:
     def allowed_along(self, drafts: list[int]) -> np.ndarray:
         """bool ``[len(drafts) + 1, V]``: row j the tokens allowed after the first j drafts. Past a draft the grammar
         refuses every token is allowed in the rows after it: that draft's own row masks it, so verification rejects
-        it there and never reads the later rows. The matcher is left where it was."""
+        it there and never reads the later rows; past an eos draft likewise (if it is accepted the request ends
+        there). The matcher is left where it was."""
         out = np.ones((len(drafts) + 1, self.vocab_size), dtype=bool)
         # NOTE: only tokens validated first are consumed: a refused consume puts the matcher in an error state that
         # no rollback leaves
-        valid = self._matcher.validate_tokens(list(drafts)) if drafts else 0
+        # NOTE: nor is an eos draft: a matcher that consumed eos is stopped, and rolling it back does not restore it
+        valid = next((j for j, t in enumerate(drafts) if t in self._eos), len(drafts))
+        valid = self._matcher.validate_tokens(list(drafts[:valid])) if valid else 0
         consumed = 0
         for j in range(valid + 1):
             out[j] = self.allowed()

@@ -18,6 +18,9 @@ class StructuredOutputsParams:
     - ``choice``: the output is one of these strings, exactly.
     - ``grammar``: a Lark grammar (llguidance's dialect; ``start`` is the start rule).
 
+    ``disable_any_whitespace`` (vLLM's option; JSON only): no whitespace between JSON tokens (compact output, and
+    no chance for a model to run on in whitespace); by default any JSON whitespace is allowed.
+
     Checked here for shape only; the grammar itself is compiled and checked when the request is added
     (``GrammarCompiler.compile``), which raises ``ValueError`` naming what is wrong.
     """
@@ -27,9 +30,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: list[str] | tuple[str, ...] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
-        given = [k for k in KINDS if (getattr(self, k) not in (None, False))]
+        given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             raise ValueError(f"structured_outputs takes exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(given) if given else 'none'}")
@@ -43,8 +47,11 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("structured_outputs.json must be a JSON schema object")
-        if self.json_object not in (True, False):
-            raise ValueError(f"structured_outputs.json_object must be true or false, got {self.json_object!r}")
+        for name in ("json_object", "disable_any_whitespace"):
+            if getattr(self, name) not in (True, False):
+                raise ValueError(f"structured_outputs.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.disable_any_whitespace and self.kind not in ("json", "json_object"):
+            raise ValueError("structured_outputs.disable_any_whitespace applies to json and json_object only")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -57,7 +64,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False)
 
     def key(self) -> tuple[str, str]:
         """A hashable identity of the constraint: the compiled grammar's cache key."""
@@ -70,14 +77,17 @@ class StructuredOutputsParams:
             value = ""
         else:
             value = getattr(self, kind)
-        return kind, value
+        return kind + (" compact" if self.disable_any_whitespace else ""), value
 
     @classmethod
     def from_dict(cls, body: dict) -> StructuredOutputsParams:
         """From a request body's ``structured_outputs`` object (vLLM's keys); unknown keys are refused."""
         if not isinstance(body, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(body).__name__}")
-        unknown = sorted(k for k in set(body) - set(KINDS) if body[k] not in (None, False))
+        options = ("disable_any_whitespace",)
+        unknown = sorted(k for k in set(body) - set(KINDS) - set(options) if body[k] is not None
+                         and body[k] is not False)
         if unknown:
-            raise ValueError(f"structured_outputs: {', '.join(unknown)} not supported; allowed: {', '.join(KINDS)}")
-        return cls(**{k: body[k] for k in KINDS if k in body})
+            raise ValueError(f"structured_outputs: {', '.join(unknown)} not supported; allowed: "
+                             f"{', '.join(KINDS + options)}")
+        return cls(**{k: body[k] for k in KINDS + options if k in body and body[k] is not None})
