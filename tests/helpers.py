@@ -1,4 +1,7 @@
-"""Helpers shared by the engine tests: a small-pool LLM and a token-exact greedy comparison."""
+"""Helpers shared by the engine tests: a small-pool LLM, a token-exact greedy comparison, a layer-skip draft."""
+
+import json
+import os
 
 import torch
 
@@ -29,3 +32,26 @@ def assert_greedy_equal(got: list[int], expected: list[int], oracle_logits_fn=No
     top2 = torch.topk(logits.float(), 2).values
     gap = float(top2[0] - top2[1])
     assert gap < 1e-4, f"{context}: greedy tokens diverge at {n} with oracle top-2 gap {gap:.3g}: {got} vs {expected}"
+
+
+def make_layer_skip_draft(src: str, dst: str, num_layers: int) -> str:
+    """The target's first ``num_layers`` layers + its final norm and LM head, written as a real checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(dst, exist_ok=True)
+    cfg = json.loads(open(os.path.join(src, "config.json")).read())
+    cfg["num_hidden_layers"] = num_layers
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    tensors = {}
+    for file in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
+        for name, t in load_file(os.path.join(src, file)).items():
+            if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
+                continue
+            tensors[name] = t
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if os.path.exists(os.path.join(src, name)):
+            with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
+                g.write(f.read())
+    return dst

@@ -1,11 +1,9 @@
 """Real weights: SmolLM2-135M-Instruct from its GGUF, against transformers' own GGUF loading of the same file."""
 
-import json
-import os
 
 import pytest
 import torch
-from helpers import assert_greedy_equal, small_llm
+from helpers import assert_greedy_equal, make_layer_skip_draft, small_llm
 
 from specdec import SamplingParams, SpeculativeConfig
 from specdec.checkpoint.default_model import default_gguf_path, default_model_path
@@ -71,27 +69,6 @@ def test_32_greedy_tokens_equal_the_oracle(llm, oracle):
         assert_greedy_equal(out.outputs[0].token_ids, ref, logits_at, context=repr(prompt))
 
 
-def make_layer_skip_draft(src: str, dst: str, num_layers: int) -> str:
-    """The target's first ``num_layers`` layers + its final norm and LM head, written as a real checkpoint."""
-    from safetensors.torch import load_file, save_file
-
-    os.makedirs(dst, exist_ok=True)
-    cfg = json.loads(open(os.path.join(src, "config.json")).read())
-    cfg["num_hidden_layers"] = num_layers
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    tensors = {}
-    for file in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
-        for name, t in load_file(os.path.join(src, file)).items():
-            if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
-                continue
-            tensors[name] = t
-    save_file(tensors, os.path.join(dst, "model.safetensors"))
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if os.path.exists(os.path.join(src, name)):
-            with open(os.path.join(src, name)) as f, open(os.path.join(dst, name), "w") as g:
-                g.write(f.read())
-    return dst
 
 
 @pytest.fixture(scope="module")

@@ -273,7 +273,15 @@ BAD = [
     ("chat", {"top_logprobs": 3}, "top_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "the " * 300}]}, "messages"),
     ("chat", {"messages": [{"role": "user"}]}, "messages[0].content"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+     "response_format"),
+    ("completions", {"extra_body": {"guided_regex": "[a-"}}, "guided_regex"),
+    ("completions", {"extra_body": {"guided_choice": []}}, "guided_choice"),
+    ("chat", {"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
+    ("chat", {"extra_body": {"structured_outputs": {"json": {}, "whitespace_pattern": " "}}}, "structured_outputs"),
+    ("chat", {"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a+"}}, "guided_regex"),
 ]
 
 
