@@ -23,6 +23,7 @@ from specdec.spec_decode.proposers.base import Proposer
 from specdec.spec_decode.proposers.factory import build_proposer
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.round import SpeculativeRound
+from specdec.structured.forced_drafts import fit_to_grammar
 from specdec.tokenizer.tokenizer import Tokenizer
 
 
@@ -55,6 +56,9 @@ class Speculator:
                 proposal = self.proposer.propose_tree(plan.requests, plan.depths, plan.budgets)
         elif plan.requests:
             proposal = self.proposer.propose(plan.requests, plan.depths)
+            model_free = self.proposer.draft_model is None and self.proposer.aux_hidden_layers is None
+            if model_free and any(r.grammar is not None for r in plan.requests):
+                proposal = fit_to_grammar(proposal, plan.requests, plan.depths)  # cut to the grammar, forced text
         return SpeculativeRound(plan.requests, proposal, granted, self.spec_config.verify, self.vocab_size)
 
     def finish_round(self, request: RequestView, kept: int, drafted: int, accepted: int,

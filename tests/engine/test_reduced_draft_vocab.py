@@ -192,6 +192,7 @@ class _Seq:
     output: list[int]
     params: SamplingParams
     seed: int
+    grammar: None = None  # no structured output
 
     @property
     def num_tokens(self) -> int:

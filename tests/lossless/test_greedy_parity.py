@@ -200,7 +200,7 @@ CASES = [
       for name, spec, target, rejects in (
           ("draft_model", draft(3), "pair", True), ("block_verify", draft(4, verify="block"), "pair", True),
           ("tree-static", tree([2, 2, 1]), "pair", True), ("tree-dynamic", tree("dynamic"), "pair", True),
-          ("prompt_lookup", model_free("prompt_lookup", prompt_lookup_min=1), "pair", True),
+          ("prompt_lookup", model_free("prompt_lookup", prompt_lookup_min=1), "pair", False),
           ("ngram_table-tree", model_free("ngram_table", tree=[3, 2, 1], tree_policy="always"), "pair", True),
           ("eagle3-chain", eagle(), "eagle", False), ("eagle3-tree", eagle(tree=[2, 2, 1]), "eagle", False))],
     # quantised targets (int8: the w8a8 path; int4) and quantised self drafts

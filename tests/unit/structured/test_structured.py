@@ -163,3 +163,24 @@ def test_an_eos_draft_is_not_consumed_so_the_matcher_stays_usable(compiler):
     for token in ids("ab"):
         state.accept(token)
     assert state.finished
+
+
+def test_forced_text_is_drafted_for_free_and_changes_no_token(tiny_pair):
+    """A regex with long literal stretches, through prompt lookup on prompts it finds nothing in: the only drafts
+    are the grammar's forced tokens; they are accepted, and the greedy tokens equal plain decoding's."""
+    regex = "the (cat|ant) sat on the (mat|tin) in the [a-z]{3} house"
+    params = greedy(max_tokens=60, structured_outputs={"regex": regex})
+    prompts = [[5, 9, 77, 3], [120, 14, 8, 61, 2]]  # nothing repeats: prompt lookup (min 3) matches nothing
+    plain = small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256)
+    spec = small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256,
+                     speculative=SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=4,
+                                                   prompt_lookup_min=3))
+    expected = [o.outputs[0] for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    outs = spec.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == [e.token_ids for e in expected]
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs), [o.outputs[0].text for o in outs]
+    drafted = sum(o.metrics["drafted"] for o in outs)
+    accepted = sum(o.metrics["accepted"] for o in outs)
+    assert accepted > 0 and drafted >= accepted
+    steps = sum(o.metrics["target_forwards"] for o in outs)
+    assert steps < sum(len(e.token_ids) for e in expected)  # fewer target forwards than tokens: free drafts paid
