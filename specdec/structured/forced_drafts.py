@@ -17,6 +17,10 @@ import dataclasses
 from specdec.spec_decode.proposers.base import DraftProposal
 from specdec.spec_decode.request import RequestView
 
+# False: model-free chains are only cut to the grammar, no forced text is drafted (bench/speed/structured.py times
+# both; not a user setting)
+FORCED_TEXT = True
+
 
 def fit_to_grammar(proposal: DraftProposal | None, requests: list[RequestView], depths: list[int]
                    ) -> DraftProposal | None:
@@ -35,7 +39,7 @@ def fit_to_grammar(proposal: DraftProposal | None, requests: list[RequestView], 
             drafts.append(chain)
             continue
         valid = chain[: grammar.valid_prefix(chain)] if chain else []
-        forced = grammar.forced_tokens()[:depth]
+        forced = grammar.forced_tokens()[:depth] if FORCED_TEXT else []
         drafts.append(forced if len(forced) > len(valid) else valid)
     if not any(drafts):
         return None
