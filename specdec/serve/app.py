@@ -31,6 +31,7 @@ from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.serve.async_engine import AsyncEngine, QueueFullError, RequestStream, ShuttingDownError
 from specdec.serve.metrics import ServerMetrics
 from specdec.serve.protocol import ParsedRequest, RequestError, constraint_message, parse_chat, parse_completion
+from specdec.tool_calls import call_constraint, parse_calls, render_messages, tool_format
 
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 
@@ -117,7 +118,7 @@ class _Server:
                 raise RequestError(f"the request body is not valid JSON: {e}") from None
             req = parse_chat(body, self.model_name) if chat else parse_completion(body, self.model_name)
             if chat:
-                req.prompts = [self._render(req.messages)]
+                req.prompts = [self._render(req)]
             streams = await self._add_all(req)
         except RequestError as e:
             return self._error(e)
@@ -128,15 +129,35 @@ class _Server:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, streams, req, rid, created)
 
-    def _render(self, messages: list[dict]) -> str:
-        """The chat template applied to ``messages`` (a pure function of the read-only tokenizer, so it runs here,
-        off the engine thread)."""
+    def _render(self, req: ParsedRequest) -> str:
+        """The chat template applied to the request's messages, with its tools in the model's call format
+        (``specdec/tool_calls.py``); a "required" or named ``tool_choice`` also sets the answer's grammar. A pure
+        function of the read-only tokenizer, so it runs here, off the engine thread."""
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer, so chat requests cannot be rendered", "messages")
+        fmt = tool_format(self.tokenizer.chat_template)
+        tools = req.tools if req.tool_choice != "none" else []
+        constraint = call_constraint(tools, req.tool_choice, fmt) if tools else None
+        if constraint is not None:
+            req.params.structured_outputs = constraint
+            req.structured_field = "tool_choice"
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            messages = render_messages(req.messages, tools, fmt)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tools=tools if fmt != "generic" else None)
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
+
+    def _answer(self, req: ParsedRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """A chat choice's message (with ``tool_calls`` parsed from the text when tools are on) and its finish
+        reason ("tool_calls" when the answer is a call)."""
+        if not req.tools or req.tool_choice == "none":
+            return {"role": "assistant", "content": text}, finish_reason
+        content, calls = parse_calls(text, tool_format(self.tokenizer.chat_template), req.tools)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return ({"role": "assistant", "content": content, "tool_calls": calls},
+                "tool_calls" if finish_reason == "stop" else finish_reason)
 
     async def _add_all(self, req: ParsedRequest) -> list[RequestStream]:
         streams: list[RequestStream] = []
@@ -190,7 +211,7 @@ class _Server:
                 choice = {"index": i * req.n + c.index, "finish_reason": c.finish_reason}
                 logprobs = self._logprobs(c, 0, len(c.token_ids), req, 0) if req.logprobs is not None else None
                 if req.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"], choice["finish_reason"] = self._answer(req, c.text, c.finish_reason)
                 else:
                     choice["text"] = c.text
                 choice["logprobs"] = logprobs
@@ -209,6 +230,7 @@ class _Server:
         shown_text: dict[int, int] = {}
         shown_tokens: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
+        tools_on = req.chat and bool(req.tools) and req.tool_choice != "none"
         try:
             if req.chat:  # the role comes first, once per choice (as OpenAI does)
                 for i in range(len(streams) * req.n):
@@ -224,6 +246,10 @@ class _Server:
                     return
                 for c in out.outputs:
                     index = i * req.n + c.index
+                    if tools_on:  # a call is parsed from the whole answer: one chunk at the end
+                        if c.finish_reason is not None:
+                            yield _event({**head, "choices": [self._tool_chunk(req, index, c)]})
+                        continue
                     text = c.text[shown_text.get(index, 0):]
                     start, end = shown_tokens.get(index, 0), len(c.token_ids)
                     if not text and start == end and c.finish_reason is None:
@@ -246,6 +272,18 @@ class _Server:
             for s in streams:  # no-op for finished ones; a client that left aborts the rest at once
                 if not s.finished:
                     self.engine.abort(s.request_id)
+
+    def _tool_chunk(self, req: ParsedRequest, index: int, c: CompletionOutput) -> dict:
+        """The one delta of a tool-enabled chat choice: its text and its calls (``index`` per call, as the OpenAI
+        client accumulates them), with the finish reason."""
+        message, finish = self._answer(req, c.text, c.finish_reason)
+        delta = {}
+        if message.get("content"):
+            delta["content"] = message["content"]
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
+        logprobs = self._logprobs(c, 0, len(c.token_ids), req, 0) if req.logprobs is not None else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     # --- logprobs ---------------------------------------------------------------------------------------------
     def _logprobs(self, c: CompletionOutput, start: int, end: int, req: ParsedRequest, text_offset: int):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from specdec.sampling.params import SamplingParams
 from specdec.structured.params import StructuredOutputsParams
+from specdec.tool_calls import check_tool_choice, check_tools
 
 logger = logging.getLogger(__name__)
 
@@ -29,16 +30,14 @@ STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_re
               "guided_grammar")
 _COMMON |= set(STRUCTURED)
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
 # known but not implemented: accepted only at the value that means "off"
 NEUTRAL = {
     "echo": (False, None),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
 }
 # SamplingParams fields set from a request field of the same name
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -72,6 +71,8 @@ class ParsedRequest:
     chat: bool = False
     messages: list[dict] = field(default_factory=list)
     structured_field: str | None = None  # the request field the output constraint came from
+    tools: list[dict] = field(default_factory=list)  # chat: OpenAI's tools (specdec/tool_calls.py)
+    tool_choice: str | dict = "none"  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
 
 
 def supports(name: str) -> bool:
@@ -110,27 +111,7 @@ def parse_chat(body: object, model_name: str) -> ParsedRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {'role', 'content'} objects", "messages")
-    clean = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise RequestError(f"messages[{i}] must be an object with 'role' and 'content'", f"messages[{i}]")
-        extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v is not None)
-        if extra:
-            raise RequestError(f"messages[{i}].{extra[0]} is not supported (messages take 'role' and 'content')",
-                               f"messages[{i}].{extra[0]}")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise RequestError(f"messages[{i}].role must be a non-empty string", f"messages[{i}].role")
-        if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RequestError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                   "are supported", f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(f"messages[{i}].content must be a string or a list of text parts",
-                               f"messages[{i}].content")
-        clean.append({"role": role, "content": content})
+    clean = [_message(i, m) for i, m in enumerate(messages)]
     want = body.get("logprobs")
     if want is not None and not isinstance(want, bool):
         raise RequestError(f"'logprobs' must be true or false, got {want!r}", "logprobs")
@@ -146,7 +127,65 @@ def parse_chat(body: object, model_name: str) -> ParsedRequest:
     max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     req = _common(body, (top or 0) if want else None, max_tokens_field=max_field)
     req.chat, req.messages = True, clean
+    try:
+        req.tools = check_tools(body.get("tools") or [])
+        choice = body.get("tool_choice")
+        req.tool_choice = check_tool_choice(choice if choice is not None else ("auto" if req.tools else "none"),
+                                            req.tools)
+    except ValueError as e:
+        raise RequestError(str(e), "tool_choice" if "tool_choice" in str(e) else "tools") from None
+    if not req.tools:
+        req.tool_choice = "none"
+    forced_call = req.tool_choice not in ("none", "auto")
+    if forced_call and req.params.structured_outputs is not None:
+        raise RequestError(f"tool_choice {req.tool_choice!r} constrains the answer to a call; it cannot be combined "
+                           f"with '{req.structured_field}'", "tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     return req
+
+
+def _message(i: int, m: object) -> dict:
+    """One chat message: ``role`` and ``content`` (a string or text parts; may be null on an assistant message
+    with ``tool_calls``), ``name``, an assistant's ``tool_calls``, a tool message's ``tool_call_id``."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise RequestError(f"{where} must be an object with 'role' and 'content'", where)
+    extra = sorted(k for k, v in m.items() if k not in ("role", "content", "name", "tool_calls", "tool_call_id")
+                   and v is not None)
+    if extra:
+        raise RequestError(f"{where}.{extra[0]} is not supported (messages take 'role', 'content', 'name', "
+                           "'tool_calls', 'tool_call_id')", f"{where}.{extra[0]}")
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or not role:
+        raise RequestError(f"{where}.role must be a non-empty string", f"{where}.role")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise RequestError(f"{where}.content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                               f"{where}.content")
+        content = "".join(p["text"] for p in content)
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str) for c in calls):
+            raise RequestError(f"{where}.tool_calls must be an assistant's list of {{'id', 'type': 'function', "
+                               "'function': {'name', 'arguments'}}", f"{where}.tool_calls")
+    if content is None and calls:
+        content = None
+    elif not isinstance(content, str):
+        raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    out = {"role": role, "content": content}
+    for key in ("name", "tool_call_id"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise RequestError(f"{where}.{key} must be a string", f"{where}.{key}")
+            out[key] = m[key]
+    if calls:
+        out["tool_calls"] = calls
+    return out
 
 
 def _check_body(body: object, allowed: set[str], model_name: str) -> dict:

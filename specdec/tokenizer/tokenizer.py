@@ -54,18 +54,23 @@ class Tokenizer:
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab(with_added_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's Jinja chat template, as transformers does."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render ``messages`` with the model's Jinja chat template, as transformers does; ``tools`` (OpenAI's
+        function tools) are passed to the template as ``tools``. A message's content may be None only on an
+        assistant message with ``tool_calls``."""
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json 'chat_template'); "
                              "use generate() with a plain prompt instead of chat()")
         if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
             for m in messages
         ):
             raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
         return _compile_template(self.chat_template).render(
             messages=messages,
+            tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

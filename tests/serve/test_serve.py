@@ -268,7 +268,7 @@ BAD = [
     ("completions", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ("completions", {"prompt": "the " * 300}, "prompt"),  # over max_model_len
     ("completions", {"prompt": ""}, "prompt"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
     ("chat", {"max_completion_tokens": -1}, "max_completion_tokens"),
     ("chat", {"top_logprobs": 3}, "top_logprobs"),
     ("chat", {"messages": [{"role": "user", "content": "the " * 300}]}, "messages"),
