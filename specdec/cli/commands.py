@@ -73,7 +73,8 @@ def serve(args: argparse.Namespace) -> int:
     origins = allowed_origins(args.allowed_origins)
     signals = run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting,
                          args.shutdown_timeout, speculative, api_key=args.api_key, allowed_origins=origins,
-                         access_log=args.access_log, dtype=args.dtype, device=args.device,
+                         access_log=args.access_log, request_timeout=args.request_timeout, dtype=args.dtype,
+                         device=args.device,
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
                          enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,

@@ -136,6 +136,9 @@ def _serve_parser(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--allowed-origins", default=None, metavar="JSON|LIST",
                        help="browser origins allowed by CORS: a JSON list or comma-separated ('*': any); default: none")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="abort a request still running after this many seconds (504, or an error event in a "
+                            "stream); default: no limit")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are aborted")
     _engine_args(serve)

@@ -37,11 +37,16 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 
 
 def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdown_timeout: float = 10.0,
-              api_key: str | None = None, allowed_origins: list[str] | None = None) -> FastAPI:
+              api_key: str | None = None, allowed_origins: list[str] | None = None,
+              request_timeout: float | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` as ``model_name``. The engine loop starts and stops with the app's
     lifespan (uvicorn runs it); ``app.state.async_engine`` is the ``AsyncEngine``. ``api_key``: every route but
     ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401, OpenAI's error shape); ``allowed_origins``:
-    browser origins allowed by CORS (``["*"]``: any; None: no CORS headers)."""
+    browser origins allowed by CORS (``["*"]``: any; None: no CORS headers); ``request_timeout``: seconds a request
+    may take from arrival to its last token (None: no limit) - past it the request is aborted (its blocks freed)
+    and answered 504, or a stream ends with an error event."""
+    if request_timeout is not None and not request_timeout > 0:
+        raise ValueError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
 
@@ -73,7 +78,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     created = int(time.time())
-    server = _Server(async_engine, metrics, model_name)
+    server = _Server(async_engine, metrics, model_name, request_timeout)
 
     @app.get("/health")
     async def health() -> Response:
@@ -104,10 +109,12 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
 
 
 class _Server:
-    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str):
+    def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
+                 request_timeout: float | None = None):
         self.engine = async_engine
         self.metrics = metrics
         self.model_name = model_name
+        self.request_timeout = request_timeout
         self.tokenizer = async_engine.engine.tokenizer
 
     async def handle(self, request: Request, chat: bool) -> Response:
@@ -192,7 +199,7 @@ class _Server:
         collect = asyncio.ensure_future(asyncio.gather(*(_last(s) for s in streams)))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
-            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({collect, gone}, timeout=self.request_timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not collect.done():  # the client left (or this task was cancelled): abort, free the blocks
@@ -200,6 +207,8 @@ class _Server:
                 for s in streams:
                     self.engine.abort(s.request_id)
         if not collect.done() or collect.cancelled():
+            if not gone.done():  # neither finished nor left: the request ran out of time
+                return self._error(_timed_out(self.request_timeout))
             return Response(status_code=499)
         finals: list[RequestOutput] = collect.result()
         failed = _failure(finals)
@@ -217,9 +226,11 @@ class _Server:
                 choice["logprobs"] = logprobs
                 choices.append(choice)
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({
-            "id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": created,
-            "model": self.model_name, "choices": choices, "usage": _usage(finals)})
+        body = {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": _usage(finals)}
+        if req.return_metrics:  # one entry per prompt: drafted, accepted, acceptance rate, tau, TTFT... (metrics.md)
+            body["metrics"] = [out.metrics for out in finals]
+        return JSONResponse(body)
 
     # --- streaming --------------------------------------------------------------------------------------------
     async def _sse(self, streams: list[RequestStream], req: ParsedRequest, rid: str, created: int
@@ -236,7 +247,12 @@ class _Server:
                 for i in range(len(streams) * req.n):
                     yield _event({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
-            async for i, out in _merge(streams):
+            deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+            async for i, out in _merge(streams, deadline):
+                if out is None:  # the deadline passed: the finally below aborts what is still running
+                    yield _event(_timed_out(self.request_timeout).body())
+                    yield "data: [DONE]\n\n"
+                    return
                 if out.finished:
                     finals[i] = out
                 failed = _failure([out])  # any sample failed (n > 1: the others are aborted below)
@@ -266,7 +282,10 @@ class _Server:
                     choice.update(logprobs=logprobs, finish_reason=c.finish_reason)
                     yield _event({**head, "choices": [choice]})
             if req.include_usage:
-                yield _event({**head, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)])})
+                last = {**head, "choices": [], "usage": _usage([finals[i] for i in sorted(finals)])}
+                if req.return_metrics:
+                    last["metrics"] = [finals[i].metrics for i in sorted(finals)]
+                yield _event(last)
             yield "data: [DONE]\n\n"
         finally:
             for s in streams:  # no-op for finished ones; a client that left aborts the rest at once
@@ -333,13 +352,11 @@ async def _last(stream: RequestStream) -> RequestOutput:
     return last
 
 
-async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from every stream as they come; cancelling the consumer cancels the readers (whose
-    streams then abort their requests)."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
+async def _merge(streams: list[RequestStream], deadline: float | None = None
+                 ) -> AsyncIterator[tuple[int, RequestOutput | None]]:
+    """(prompt index, output) from every stream as they come, then ``(-1, None)`` once if ``deadline``
+    (``time.monotonic()``) passes first; cancelling the consumer cancels the readers (whose streams then abort their
+    requests)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
@@ -351,7 +368,12 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     try:
         left = len(streams)
         while left:
-            i, out = await queue.get()
+            try:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                i, out = await asyncio.wait_for(queue.get(), wait)
+            except asyncio.TimeoutError:
+                yield -1, None
+                return
             if out is None:
                 left -= 1
             else:
@@ -359,6 +381,11 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _timed_out(seconds: float | None) -> RequestError:
+    return RequestError(f"the request did not finish within the server's request timeout ({seconds:g} s); it was "
+                        "aborted", None, status=504, type="timeout", code="request_timeout")
 
 
 async def _wait_disconnect(request: Request) -> None:

@@ -28,7 +28,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
 # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields (one of them)
 STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
               "guided_grammar")
-_COMMON |= set(STRUCTURED)
+_COMMON |= set(STRUCTURED) | {"return_metrics"}  # ours: each request's speculation metrics in the response
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                          "parallel_tool_calls"}
@@ -71,6 +71,7 @@ class ParsedRequest:
     chat: bool = False
     messages: list[dict] = field(default_factory=list)
     structured_field: str | None = None  # the request field the output constraint came from
+    return_metrics: bool = False  # add each prompt's request metrics (RequestOutput.metrics) to the response
     tools: list[dict] = field(default_factory=list)  # chat: OpenAI's tools (specdec/tool_calls.py)
     tool_choice: str | dict = "none"  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
 
@@ -255,8 +256,11 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str) -> ParsedRe
     except TypeError as e:  # a field SamplingParams does not take
         raise RequestError(str(e)) from None
     fill = max_tokens is None and "messages" in body  # chat's default: up to the context length
+    return_metrics = body.get("return_metrics", False)
+    if not isinstance(return_metrics, bool):
+        raise RequestError(f"'return_metrics' must be true or false, got {return_metrics!r}", "return_metrics")
     return ParsedRequest([], params, n, stream, include_usage, logprobs, fill_max_tokens=fill,
-                         structured_field=structured_field)
+                         structured_field=structured_field, return_metrics=return_metrics)
 
 
 def _structured(body: dict) -> tuple[StructuredOutputsParams | None, str | None]:

@@ -534,3 +534,38 @@ def test_api_key_guards_every_route_but_health_and_cors_answers_allowed_origins(
         assert "access-control-allow-origin" not in headers
     finally:
         server.stop()
+
+
+def test_request_timeout_aborts_frees_blocks_and_metrics_on_request(tiny_pair):
+    """``build_app(request_timeout=)``: a request still running past it is aborted and answered 504 (a stream ends
+    with an error event), its blocks freed; ``return_metrics: true`` adds each request's metrics to the response."""
+    server = ServerThread(tiny_pair[0], app_kwargs={"request_timeout": 0.3},
+                          speculative=specdec.SpeculativeConfig(method="ngram_table", num_speculative_tokens=3),
+                          **ENGINE).start()
+    try:
+        client = server.client()
+        long = {"model": "tiny", "prompt": "the", "max_tokens": 200, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
+        step = server.llm.engine.step
+
+        def slow_step(*args, **kwargs):
+            time.sleep(0.02)  # 200 tokens take > 4 s: far past the 0.3 s timeout
+            return step(*args, **kwargs)
+
+        server.llm.engine.step = slow_step
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(**long)
+        assert e.value.status_code == 504 and e.value.response.json()["error"]["code"] == "request_timeout"
+        with pytest.raises(openai.APIError) as e:
+            for _ in client.completions.create(**long, stream=True):
+                pass
+        assert "request timeout" in str(e.value), e.value
+        server.llm.engine.step = step
+        state = server.wait_idle()
+        assert not state["unfinished"] and state["free"] == state["total"], state
+        got = client.completions.create(model="tiny", prompt="the cat the cat the cat", max_tokens=8, temperature=0,
+                                        extra_body={"return_metrics": True})
+        metrics = got.model_extra["metrics"]
+        assert len(metrics) == 1 and {"drafted", "accepted", "acceptance_rate"} <= set(metrics[0])
+    finally:
+        server.stop()
