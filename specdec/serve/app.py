@@ -30,6 +30,7 @@ from specdec.engine.engine import LLMEngine
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.serve.async_engine import AsyncEngine, QueueFullError, RequestStream, ShuttingDownError
 from specdec.serve.metrics import ServerMetrics
+from specdec.serve.openapi_models import document
 from specdec.serve.protocol import ParsedRequest, RequestError, constraint_message, parse_chat, parse_completion
 from specdec.tool_calls import call_constraint, parse_calls, render_messages, tool_format
 
@@ -57,6 +58,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
         await async_engine.shutdown(shutdown_timeout)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
+    document(app)  # the request and response bodies in /docs and /openapi.json
     if api_key is not None:
         if not api_key:
             raise ValueError("the API key must not be empty")

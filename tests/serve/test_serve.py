@@ -569,3 +569,22 @@ def test_request_timeout_aborts_frees_blocks_and_metrics_on_request(tiny_pair):
         assert len(metrics) == 1 and {"drafted", "accepted", "acceptance_rate"} <= set(metrics[0])
     finally:
         server.stop()
+
+
+def test_openapi_describes_exactly_the_fields_the_server_accepts(servers):
+    """/docs serves FastAPI's page and /openapi.json gives both generation routes their request and response
+    bodies; the documented request fields are exactly those protocol.py accepts (so the docs cannot drift)."""
+    from specdec.serve.openapi_models import ChatCompletionRequest, CompletionRequest
+    from specdec.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS, NEUTRAL
+
+    http = Http(servers["plain"])
+    status, page = http.get("/docs")
+    assert status == 200 and "swagger" in page.lower()
+    status, raw = http.get("/openapi.json")
+    schema = json.loads(raw)
+    chat = schema["paths"]["/v1/chat/completions"]["post"]
+    assert chat["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletionRequest")
+    assert "tools" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert schema["components"]["schemas"]["ChatCompletionResponse"]["properties"]["choices"]
+    assert set(CompletionRequest.model_fields) == COMPLETION_FIELDS | set(NEUTRAL)
+    assert set(ChatCompletionRequest.model_fields) == CHAT_FIELDS | set(NEUTRAL)
