@@ -202,7 +202,9 @@ CASES = [
           ("tree-static", tree([2, 2, 1]), "pair", True), ("tree-dynamic", tree("dynamic"), "pair", True),
           ("prompt_lookup", model_free("prompt_lookup", prompt_lookup_min=1), "pair", False),
           ("ngram_table-tree", model_free("ngram_table", tree=[3, 2, 1], tree_policy="always"), "pair", True),
-          ("eagle3-chain", eagle(), "eagle", False), ("eagle3-tree", eagle(tree=[2, 2, 1]), "eagle", False))],
+          ("eagle3-chain", eagle(), "eagle", False), ("eagle3-tree", eagle(tree=[2, 2, 1]), "eagle", False),
+          # a reduced draft vocabulary meeting a grammar: q masked over the subset's columns (all-masked rows included)
+          ("draft_vocab", reduced(), "pair", True))],
     # quantised targets (int8: the w8a8 path; int4) and quantised self drafts
     *[Case(f"quantised_target-{q}", draft(3), quantization=q) for q in ("int8", "int4")],
     *[Case(f"self_draft-{q or 'fp32'}-{dq}", lambda d, dq=dq: {"draft_model": "self", "draft_quantization": dq,

@@ -88,6 +88,33 @@ def test_regex_choice_json_object_and_streaming(servers):
     assert text == whole.choices[0].message.content and valid_person(json.loads(text))
 
 
+def test_samples_and_logprobs_under_a_constraint(servers):
+    """n = 3 seeded samples each obey the choice; logprobs come back for every token of each."""
+    got = servers["draft_model"].client().chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Pick a colour."}], temperature=1.0, seed=5, n=3,
+        max_tokens=10, logprobs=True, top_logprobs=2,
+        extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert len(got.choices) == 3
+    for choice in got.choices:
+        assert choice.message.content in ("red", "green", "blue") and choice.finish_reason == "stop"
+        assert choice.logprobs.content and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+
+
+def test_the_default_dtype_answers_validate(tmp_path_factory):
+    """The default dtype (``dtype="auto"``: bf16 on CPUs with native bf16): answers still parse and validate, plain
+    and with prompt lookup (token identity between them is not claimed there: docs/guarantees.md)."""
+    model = default_model_path()
+    for spec in (None, specdec.SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=4)):
+        server = ServerThread(model, name="smollm2", speculative=spec, max_model_len=512, max_num_seqs=2).start()
+        try:
+            got = server.client().chat.completions.create(model="smollm2", messages=ASK, temperature=0,
+                                                          max_tokens=80, response_format=schema_format(PERSON))
+            assert got.choices[0].finish_reason == "stop", got.choices[0]
+            assert valid_person(json.loads(got.choices[0].message.content))
+        finally:
+            server.stop()
+
+
 def test_a_cut_answer_is_length_and_a_bad_schema_is_400(servers):
     client = servers["plain"].client()
     cut = client.chat.completions.create(model="smollm2", messages=ASK, temperature=0, max_tokens=5,
