@@ -82,10 +82,13 @@ def check_tool_choice(choice: object, tools: list[dict]) -> str | dict:
 
 
 def render_messages(messages: list[dict], tools: list[dict], fmt: str) -> list[dict]:
-    """The messages the chat template renders: as given for templates with a tools section; for ``generic`` the
-    tools as a system message and previous calls / results as plain turns."""
-    if fmt != "generic":
-        return messages
+    """The messages the chat template renders: for templates with a tools section as given, a previous call's
+    ``arguments`` (OpenAI sends a JSON string) as an object; for ``generic`` the tools as a system message and
+    previous calls / results as plain turns."""
+    if fmt != "generic":  # templates read a call's arguments as an object (transformers' convention)
+        return [{**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                         "arguments": _arguments(c["function"].get("arguments"))}}
+                                     for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in messages]
     out = []
     if tools:
         listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
@@ -108,8 +111,11 @@ def render_messages(messages: list[dict], tools: list[dict], fmt: str) -> list[d
     return out
 
 
-def call_constraint(tools: list[dict], choice: str | dict, fmt: str) -> StructuredOutputsParams | None:
-    """The grammar a "required" or named ``tool_choice`` puts on the answer (None for "auto" / "none")."""
+def call_constraint(tools: list[dict], choice: str | dict, fmt: str, tag_ids: tuple[int, int] | None = None
+                    ) -> StructuredOutputsParams | None:
+    """The grammar a "required" or named ``tool_choice`` puts on the answer (None for "auto" / "none").
+    ``tag_ids``: the token ids of ``<tool_call>`` and ``</tool_call>`` where the tokenizer has them as tokens
+    (Qwen2.5's are special tokens, which a text literal in a grammar never matches); None: spelled as text."""
     if choice in ("auto", "none"):
         return None
     allowed = tools if choice == "required" else [t for t in tools if t["function"]["name"] ==
@@ -121,7 +127,9 @@ def call_constraint(tools: list[dict], choice: str | dict, fmt: str) -> Structur
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": COMPACT_JSON}
     if fmt == "hermes":
-        return StructuredOutputsParams(grammar='start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json '
+        open_tag, close_tag = (f"<[{tag_ids[0]}]>", f"<[{tag_ids[1]}]>") if tag_ids else ('"<tool_call>"',
+                                                                                          '"</tool_call>"')
+        return StructuredOutputsParams(grammar=f'start: {open_tag} "\\n" call "\\n" {close_tag}\ncall: %json '
                                        + json.dumps(schema))
     return StructuredOutputsParams(json=schema)
 
@@ -143,6 +151,11 @@ def parse_calls(text: str, fmt: str, tools: list[dict]) -> tuple[str | None, lis
             pieces.append(text[last:m.start()])
             last = m.end()
         rest = "".join(pieces) + text[last:]
+        if not found:  # the tags are special tokens the detokenizer drops: calls as bare JSON, one per line
+            lines = [line for line in text.splitlines() if line.strip()]
+            bare = [_call(line, "arguments", names) for line in lines] or [None]
+            if all(call is not None for call in bare):
+                found, rest = bare, ""
     else:
         key = "parameters" if fmt == "llama3_json" else "arguments"
         body = text.strip().removeprefix("<|python_tag|>").strip()

@@ -146,7 +146,9 @@ class _Server:
             raise RequestError("this model has no tokenizer, so chat requests cannot be rendered", "messages")
         fmt = tool_format(self.tokenizer.chat_template)
         tools = req.tools if req.tool_choice != "none" else []
-        constraint = call_constraint(tools, req.tool_choice, fmt) if tools else None
+        tags = (self.tokenizer.token_to_id("<tool_call>"), self.tokenizer.token_to_id("</tool_call>"))
+        tag_ids = tags if None not in tags else None
+        constraint = call_constraint(tools, req.tool_choice, fmt, tag_ids) if tools else None
         if constraint is not None:
             req.params.structured_outputs = constraint
             req.structured_field = "tool_choice"

@@ -163,3 +163,18 @@ def test_constraints_and_generic_rendering():
     assert rendered[0]["role"] == "system" and "get_weather" in rendered[0]["content"]
     assert json.loads(rendered[2]["content"]) == {"name": "get_weather", "arguments": {"city": "X"}}
     assert rendered[3] == {"role": "tool", "content": "21C"}
+
+
+def test_hermes_tags_as_special_tokens():
+    """Qwen2.5's <tool_call> tags are special tokens: the detokenised answer has none (calls are bare JSON lines),
+    and the constraint references the tag tokens by id (a text literal would never match them)."""
+    content, calls = parse_calls('{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                 '{"name": "get_time", "arguments": {"city": "Oslo"}}', "hermes", [WEATHER, TIME])
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    mixed = '{"name": "get_weather", "arguments": {"city": "Oslo"}}\nIt is sunny.'
+    assert parse_calls(mixed, "hermes", [WEATHER]) == (mixed, [])
+    grammar = call_constraint([WEATHER], "required", "hermes", (151657, 151658)).grammar
+    assert grammar.startswith('start: <[151657]> "\\n" call "\\n" <[151658]>')
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "X"}'}}
+    rendered = render_messages([{"role": "assistant", "content": None, "tool_calls": [call]}], [WEATHER], "hermes")
+    assert rendered[0]["tool_calls"][0]["function"]["arguments"] == {"city": "X"}  # an object, for the template
