@@ -126,10 +126,19 @@ def oracle_distribution(logits: torch.Tensor, context: list[int], output: list[i
     return p
 
 
-def exact_joint(prefix_logits: dict, cfg: dict, m: int, prompt: list[int] = PROMPT) -> torch.Tensor:
+def exact_joint(prefix_logits: dict, cfg: dict, m: int, prompt: list[int] = PROMPT,
+                allowed: list[set[int]] | None = None) -> torch.Tensor:
     """float64 ``[V] * m``: the exact probability of every continuation of ``prompt`` of length m
-    (``prefix_logits`` must be the logits after that same prompt)."""
-    dist = {prefix: oracle_distribution(logits, prompt + list(prefix), list(prefix), cfg)
+    (``prefix_logits`` must be the logits after that same prompt). ``allowed`` (a structured-output constraint):
+    per output position the tokens it admits; the others' logits are -inf before the standardization."""
+    def masked(prefix, logits):
+        if allowed is None:
+            return logits
+        out = logits.clone()
+        out[[t for t in range(VOCAB) if t not in allowed[len(prefix)]]] = -math.inf
+        return out
+
+    dist = {prefix: oracle_distribution(masked(prefix, logits), prompt + list(prefix), list(prefix), cfg)
             for prefix, logits in prefix_logits.items() if len(prefix) < m}
     joint = torch.ones([VOCAB] * m, dtype=torch.float64)
     for seq in itertools.product(range(VOCAB), repeat=m):

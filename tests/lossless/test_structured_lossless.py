@@ -28,10 +28,10 @@ from oracle import (
     VOCAB,
     N,
     check,
+    exact_joint,
     lossless_llm,
     make_lossless_pair,
     memoised,
-    oracle_distribution,
     target_prefix_logits,
 )
 
@@ -81,24 +81,6 @@ def make_llm(model_dirs):
     return memoised(lambda name: lossless_llm(target, specdec.SpeculativeConfig(draft_model=draft, **CASES[name])))
 
 
-def constrained_joint(prefix_logits, cfg) -> torch.Tensor:
-    """float64 ``[V] * M``: each token's distribution the contract's, over the logits with the tokens the regex
-    refuses at that position set to -inf."""
-    import itertools
-    import math
-
-    dist = {}
-    for prefix, logits in prefix_logits.items():
-        masked = logits.clone()
-        masked[[t for t in range(VOCAB) if t not in ALLOWED[len(prefix)]]] = -math.inf
-        dist[prefix] = oracle_distribution(masked, PROMPT + list(prefix), list(prefix), cfg)
-    joint = torch.zeros([VOCAB] * M, dtype=torch.float64)
-    for seq in itertools.product(range(VOCAB), repeat=M):
-        joint[seq] = math.prod(float(dist[seq[:t]][seq[t]]) for t in range(M))
-    assert abs(float(joint.sum()) - 1.0) < 1e-9
-    return joint
-
-
 def run_constrained(llm, cfg, n, label) -> tuple[torch.Tensor, list[dict]]:
     params = [SamplingParams(seed=i, max_tokens=M, ignore_eos=True, structured_outputs={"regex": REGEX}, **cfg)
               for i in range(n)]
@@ -120,7 +102,7 @@ def test_constrained_speculative_sampling_matches_exact_joint(make_llm, prefix_l
     monkeypatch.setattr(ops, "tree_sample", lambda *a, **k: tree_rounds.append(1) or real_tree_sample(*a, **k))
     counts, metrics = run_constrained(make_llm(case), cfg, N, case)
     assert bool(tree_rounds) == case.startswith("tree"), "the tree case must verify trees, the others chains"
-    stat, bound = check(case, counts, constrained_joint(prefix_logits, cfg))
+    stat, bound = check(case, counts, exact_joint(prefix_logits, cfg, M, allowed=ALLOWED))
     assert stat < bound, f"{case}: constrained speculative sampling is not lossless ({stat:.1f} >= {bound:.1f})"
     drafted = sum(m["drafted"] for m in metrics)
     accepted = sum(m["accepted"] for m in metrics)
@@ -134,5 +116,5 @@ def test_window_rows_masked_without_the_drafts_are_rejected(make_llm, prefix_log
     monkeypatch.setattr(GrammarState, "allowed_along", first_row_only)
     cfg = CONFIGS["temperature_1"]
     counts, _ = run_constrained(make_llm("chain-k2"), cfg, N_MUTANT, "mutant")
-    stat, bound = check("mutant", counts, constrained_joint(prefix_logits, cfg))
+    stat, bound = check("mutant", counts, exact_joint(prefix_logits, cfg, M, allowed=ALLOWED))
     assert stat > bound, f"the planted mutant passed ({stat:.1f} <= {bound:.1f}): the test cannot fail"
