@@ -190,12 +190,18 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate. ``chat_template``:
+        a template's text, or the name of one of the model's named templates, instead of its default;
+        ``chat_template_kwargs``: more variables for the template (vLLM's arguments of the same names)."""
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer.json, so chat() cannot render a conversation")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
+                                                      chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params)
 
     @staticmethod

@@ -29,7 +29,7 @@ import torch
 
 from bench.common import median, print_table, set_threads, warm_up_sampling
 from specdec.kernels import philox
-from specdec.kernels.inverse_cdf import sample_inverse_cdf
+from specdec.kernels.inverse_cdf import sample_inverse_cdf_reference as sample_inverse_cdf
 
 
 def numpy_row_uniforms(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:

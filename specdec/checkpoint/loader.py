@@ -25,6 +25,7 @@ HUB_FILES = [
     "model.safetensors.index.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # recent checkpoints ship their chat template in its own file
 ]
 
 

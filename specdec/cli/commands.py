@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from specdec import SamplingParams
 from specdec.cli.parser import allowed_origins, sampling_params, speculative_config
+from specdec.tokenizer.tokenizer import load_chat_template
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -73,7 +75,8 @@ def serve(args: argparse.Namespace) -> int:
     origins = allowed_origins(args.allowed_origins)
     signals = run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting,
                          args.shutdown_timeout, speculative, api_key=args.api_key, allowed_origins=origins,
-                         access_log=args.access_log, request_timeout=args.request_timeout, dtype=args.dtype,
+                         access_log=args.access_log, request_timeout=args.request_timeout,
+                         chat_template=_template_arg(args.chat_template), dtype=args.dtype,
                          device=args.device,
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
@@ -105,6 +108,21 @@ def generate(args: argparse.Namespace) -> int:
         llm.shutdown()  # the tensor-parallel workers, if any
 
 
+def _template_arg(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, a template's text, or (neither) a name of the model's named templates."""
+    if value is None or os.path.isfile(value) or "{" in value:
+        return None if value is None else load_chat_template(value)
+    return value
+
+
+def _chat_template(value: str | None, tokenizer) -> str | None:
+    template = _template_arg(value)
+    if template is not None and "{" not in template and template not in tokenizer.chat_templates:
+        raise ValueError(f"--chat-template {value!r} is neither a file, a Jinja template nor one of the model's "
+                         f"named templates {sorted(tokenizer.chat_templates)}")
+    return template
+
+
 def _stream_one(llm, args: argparse.Namespace, params: SamplingParams) -> int:
     import torch
 
@@ -112,7 +130,8 @@ def _stream_one(llm, args: argparse.Namespace, params: SamplingParams) -> int:
     if args.chat:
         if llm.tokenizer is None:
             raise ValueError("--chat needs a model with a tokenizer")
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   chat_template=_chat_template(args.chat_template, llm.tokenizer))
     start = time.perf_counter()
     for delta in llm.stream(prompt, params):
         print(delta, end="", flush=True)

@@ -86,6 +86,9 @@ def _generate_parser(gen: argparse.ArgumentParser) -> None:
                      help="model folder, .gguf file or hub repo id (default: the embedded SmolLM2-135M-Instruct)")
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                     help="with --chat: this Jinja template (a file, its text, or a name of the model's named "
+                          "templates) instead of the model's")
     _engine_args(gen)
     group = gen.add_argument_group("sampling (defaults: specdec.SamplingParams)")
     defaults = sampling_defaults()
@@ -136,6 +139,9 @@ def _serve_parser(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--allowed-origins", default=None, metavar="JSON|LIST",
                        help="browser origins allowed by CORS: a JSON list or comma-separated ('*': any); default: none")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn's access log)")
+    serve.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                       help="render chat requests with this Jinja template (a file, its text, or a name of the "
+                            "model's named templates) instead of the model's")
     serve.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="abort a request still running after this many seconds (504, or an error event in a "
                             "stream); default: no limit")

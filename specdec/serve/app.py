@@ -39,15 +39,21 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 
 def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdown_timeout: float = 10.0,
               api_key: str | None = None, allowed_origins: list[str] | None = None,
-              request_timeout: float | None = None) -> FastAPI:
+              request_timeout: float | None = None, chat_template: str | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` as ``model_name``. The engine loop starts and stops with the app's
     lifespan (uvicorn runs it); ``app.state.async_engine`` is the ``AsyncEngine``. ``api_key``: every route but
     ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401, OpenAI's error shape); ``allowed_origins``:
     browser origins allowed by CORS (``["*"]``: any; None: no CORS headers); ``request_timeout``: seconds a request
     may take from arrival to its last token (None: no limit) - past it the request is aborted (its blocks freed)
-    and answered 504, or a stream ends with an error event."""
+    and answered 504, or a stream ends with an error event; ``chat_template``: the template chat requests are
+    rendered with instead of the model's (its text, or the name of one of the model's named templates)."""
     if request_timeout is not None and not request_timeout > 0:
         raise ValueError(f"request_timeout must be a number of seconds > 0, got {request_timeout!r}")
+    if chat_template is not None and "{" not in chat_template:  # a name: one of the model's named templates
+        named = sorted(engine.tokenizer.chat_templates) if engine.tokenizer is not None else []
+        if chat_template not in named:
+            raise ValueError(f"chat template {chat_template!r} is neither a Jinja template nor one of the model's "
+                             f"named templates {named}")
     metrics = ServerMetrics(model_name)
     async_engine = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
 
@@ -80,7 +86,7 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     created = int(time.time())
-    server = _Server(async_engine, metrics, model_name, request_timeout)
+    server = _Server(async_engine, metrics, model_name, request_timeout, chat_template)
 
     @app.get("/health")
     async def health() -> Response:
@@ -112,12 +118,13 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
 
 class _Server:
     def __init__(self, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, chat_template: str | None = None):
         self.engine = async_engine
         self.metrics = metrics
         self.model_name = model_name
         self.request_timeout = request_timeout
         self.tokenizer = async_engine.engine.tokenizer
+        self.chat_template = chat_template  # None: the model's default
 
     async def handle(self, request: Request, chat: bool) -> Response:
         try:
@@ -144,7 +151,7 @@ class _Server:
         function of the read-only tokenizer, so it runs here, off the engine thread."""
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer, so chat requests cannot be rendered", "messages")
-        fmt = tool_format(self.tokenizer.chat_template)
+        fmt = tool_format(self._template())
         tools = req.tools if req.tool_choice != "none" else []
         tags = (self.tokenizer.token_to_id("<tool_call>"), self.tokenizer.token_to_id("</tool_call>"))
         tag_ids = tags if None not in tags else None
@@ -155,16 +162,24 @@ class _Server:
         try:
             messages = render_messages(req.messages, tools, fmt)
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tools=tools if fmt != "generic" else None)
+                                                      tools=tools if fmt != "generic" else None,
+                                                      chat_template=self.chat_template,
+                                                      chat_template_kwargs=req.chat_template_kwargs)
         except ValueError as e:
             raise RequestError(str(e), "messages") from None
+
+    def _template(self) -> str | None:
+        """The chat template in use: ``--chat-template`` (a name of the model's or a text), else the model's."""
+        if self.chat_template is None:
+            return self.tokenizer.chat_template
+        return self.tokenizer.chat_templates.get(self.chat_template, self.chat_template)
 
     def _answer(self, req: ParsedRequest, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """A chat choice's message (with ``tool_calls`` parsed from the text when tools are on) and its finish
         reason ("tool_calls" when the answer is a call)."""
         if not req.tools or req.tool_choice == "none":
             return {"role": "assistant", "content": text}, finish_reason
-        content, calls = parse_calls(text, tool_format(self.tokenizer.chat_template), req.tools)
+        content, calls = parse_calls(text, tool_format(self._template()), req.tools)
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
         return ({"role": "assistant", "content": content, "tool_calls": calls},

@@ -72,6 +72,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = Field(None, description='[{"type": "function", "function": {...}}]')
     tool_choice: str | dict[str, Any] | None = Field(None, description='"none", "auto", "required" or a function')
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="vLLM's: more variables for the template")
 
 
 class Usage(BaseModel):

@@ -31,7 +31,7 @@ STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_re
 _COMMON |= set(STRUCTURED) | {"return_metrics"}  # ours: each request's speculation metrics in the response
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                         "parallel_tool_calls"}
+                         "parallel_tool_calls", "chat_template_kwargs"}
 # known but not implemented: accepted only at the value that means "off"
 NEUTRAL = {
     "echo": (False, None),
@@ -74,6 +74,7 @@ class ParsedRequest:
     return_metrics: bool = False  # add each prompt's request metrics (RequestOutput.metrics) to the response
     tools: list[dict] = field(default_factory=list)  # chat: OpenAI's tools (specdec/tool_calls.py)
     tool_choice: str | dict = "none"  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}
+    chat_template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template (vLLM's)
 
 
 def supports(name: str) -> bool:
@@ -141,6 +142,11 @@ def parse_chat(body: object, model_name: str) -> ParsedRequest:
     if forced_call and req.params.structured_outputs is not None:
         raise RequestError(f"tool_choice {req.tool_choice!r} constrains the answer to a call; it cannot be combined "
                            f"with '{req.structured_field}'", "tool_choice")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise RequestError("'chat_template_kwargs' must be an object of template variables", "chat_template_kwargs")
+        req.chat_template_kwargs = kwargs
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("'parallel_tool_calls' must be true or false", "parallel_tool_calls")

@@ -22,7 +22,14 @@ class Tokenizer:
         if os.path.isfile(cfg_file):
             with open(cfg_file, encoding="utf-8") as f:
                 cfg = json.load(f)
-        self.chat_template: str | None = cfg.get("chat_template")
+        # the chat template: chat_template.jinja (what recent hub checkpoints ship) over tokenizer_config.json's
+        # "chat_template" - a string, or a list of {"name", "template"} whose "default" is the template
+        self.chat_templates: dict[str, str] = _named_templates(cfg.get("chat_template"))
+        jinja = os.path.join(path, "chat_template.jinja")
+        if os.path.isfile(jinja):
+            with open(jinja, encoding="utf-8") as f:
+                self.chat_templates["default"] = f.read()
+        self.chat_template: str | None = self.chat_templates.get("default")
         self.bos_token: str | None = _token_str(cfg.get("bos_token"))
         self.eos_token: str | None = _token_str(cfg.get("eos_token"))
         self.add_bos_token: bool = bool(cfg.get("add_bos_token", False))
@@ -55,26 +62,56 @@ class Tokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, chat_template: str | None = None,
+                            chat_template_kwargs: dict | None = None) -> str:
         """Render ``messages`` with the model's Jinja chat template, as transformers does; ``tools`` (OpenAI's
         function tools) are passed to the template as ``tools``. A message's content may be None only on an
-        assistant message with ``tool_calls``."""
-        if not self.chat_template:
-            raise ValueError("this model has no chat template (tokenizer_config.json 'chat_template'); "
-                             "use generate() with a plain prompt instead of chat()")
+        assistant message with ``tool_calls``. ``chat_template``: the name of one of the model's named templates
+        (``chat_templates``) or a template's text, instead of the default; ``chat_template_kwargs``: more variables
+        for the template (e.g. ``{"enable_thinking": False}``)."""
+        template = self.chat_templates.get(chat_template, chat_template) if chat_template else self.chat_template
+        if not template:
+            raise ValueError("this model has no chat template (chat_template.jinja, or tokenizer_config.json "
+                             "'chat_template'); give one (chat_template=, --chat-template) or use generate() with a "
+                             "plain prompt instead of chat()")
+        kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {reserved} (they come from the request)")
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and (isinstance(m.get("content"), str) or (m.get("content") is None and m.get("tool_calls")))
             for m in messages
         ):
             raise ValueError("messages must be a list of {'role': str, 'content': str} dicts")
-        return _compile_template(self.chat_template).render(
+        return _compile_template(template).render(
+            **kwargs,
             messages=messages,
             tools=tools or None,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+
+def _named_templates(value) -> dict[str, str]:
+    """tokenizer_config.json's ``chat_template``: a string (the default) or a list of ``{"name", "template"}``."""
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list):
+        return {t["name"]: t["template"] for t in value
+                if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+    return {}
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``'s value: a file's path (its text), else the template's text itself."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
 
 
 def _token_str(tok) -> str | None:

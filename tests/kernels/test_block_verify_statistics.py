@@ -32,7 +32,7 @@ from test_spec_sample_statistics import START, VOCAB, chi_square, make_model
 
 from specdec.kernels import block_verify as bv
 from specdec.kernels.block_verify import block_verify_reference
-from specdec.kernels.inverse_cdf import sample_inverse_cdf
+from specdec.kernels.inverse_cdf import sample_inverse_cdf_reference as sample_inverse_cdf
 from specdec.kernels.philox import STREAM_BLOCK_ACCEPT, STREAM_DRAFT, philox_uniform, round_stream
 
 F64 = torch.float64

@@ -25,7 +25,7 @@ import torch
 from stats_helpers import chi2_isf
 
 from specdec.kernels import spec_sample as spec_sample_module
-from specdec.kernels.inverse_cdf import sample_inverse_cdf
+from specdec.kernels.inverse_cdf import sample_inverse_cdf_reference as sample_inverse_cdf
 from specdec.kernels.philox import STREAM_DRAFT
 from specdec.kernels.softmax import softmax_with_temperature_reference
 from specdec.kernels.spec_sample import spec_sample_reference
