@@ -74,7 +74,7 @@ def check_tool_choice(choice: object, tools: list[dict]) -> str | dict:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in {t["function"]["name"] for t in tools}:
+        if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
             raise ValueError(f"tool_choice names {name!r}, which is not one of 'tools'")
         return choice
     raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
@@ -173,7 +173,7 @@ def _call(source: str, key: str, names: set[str]) -> tuple[str, dict] | None:
         value = json.loads(source)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or value.get("name") not in names:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in names:
         return None
     args = value.get(key, value.get("arguments", value.get("parameters", {})))
     return (value["name"], args) if isinstance(args, dict) else None

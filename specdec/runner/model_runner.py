@@ -106,7 +106,7 @@ class ModelRunner:
         tokens (so causal attention keeps them out of the real tokens' results), write their K/V into the scratch
         block, and their logits are not computed. Only with static forwards on (the CPU default path is unchanged),
         only causal windows (no tree masks or explicit positions), and only where every padded table fits the block
-        manager's table width."""
+        manager's table width and a bucket serves the padded batch."""
         static = self.static
         if static is None or len(items) < 2:
             return None
@@ -117,9 +117,12 @@ class ModelRunner:
         if any(item.mask is not None or item.positions is not None for item in items):
             return None
         q_len = next((q for q in sorted(static.q_lens) if q >= longest), None)
-        bm = self.block_manager
-        if q_len is None or any(bm.blocks_needed(item.start_pos + q_len) > bm.table_array.shape[1] for item in items):
+        if q_len is None:
             return None
+        bm = self.block_manager
+        width = max(max(len(bm.block_table(item.seq_id)), bm.blocks_needed(item.start_pos + q_len)) for item in items)
+        if width > bm.table_array.shape[1] or static.bucket(len(items), q_len, width) is None:
+            return None  # the padded tables would not fit, or no bucket serves the batch: eager, unpadded
         return q_len
 
     def forward_with_aux_hidden(self, items: list[ForwardItem], aux_layers: tuple[int, ...],
@@ -157,9 +160,10 @@ class ModelRunner:
         [T], logits_indices int64 [N])``, views of the staging buffer valid until the next ``prepare``.
 
         ``pad_to`` (``padded_q_len``'s answer; causal items with ids only): each item's window is followed by
-        ``pad_to - len(token_ids)`` padding tokens (id 0, the next positions, K/V slots in the scratch block, no
-        logits), so ``T = len(items) * pad_to`` and the batch is uniform. Its attention reads the table entries of
-        those positions (a block of the sequence's or block 0 beyond its table: stale values, read only).
+        ``pad_to - len(token_ids)`` padding tokens (id 0, the window's last RoPE position, K/V slots in the scratch
+        block, no logits), so ``T = len(items) * pad_to`` and the batch is uniform. Its attention reads the table
+        entries up to ``start + pad_to`` (a block of the sequence's, or block 0 beyond its table: stale values,
+        read only, by the padding queries alone).
 
         Raises ``RuntimeError`` (before anything is staged) if a new token's slot lies in a block that is
         shared or registered in the prefix cache (``BlockManager.slot``'s rule)."""
@@ -209,7 +213,9 @@ class ModelRunner:
             logits_indices += range(cu + n - item.num_logits, cu + n)
             if pad_to is not None and pad_to > n:
                 pad = pad_to - n
-                positions += range(end, end + pad)
+                # NOTE: the padding's RoPE position repeats the window's last one: end + j may lie past the rope
+                # table (a request near max_model_len); its outputs are dropped, so any valid position serves
+                positions += [end - 1] * pad
                 slots += (scratch_slot + j % bs for j in range(pad))
                 token_ids += [0] * pad
                 n, end = pad_to, end + pad

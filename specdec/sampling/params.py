@@ -24,8 +24,9 @@ class SamplingParams:
 
     ``logprobs`` (None or 0..20): None returns no log-probabilities; 0 the sampled token's; N > 0 also the N
     most likely tokens' - each the log-softmax of the target's raw logits, before penalties, temperature and
-    filtering (docs/metrics.md). ``n`` (1..128): independent samples of the prompt, returned as ``outputs[0..n)``
-    of one ``RequestOutput``; sample i > 0 uses the seed :func:`child_seed` derives from ``seed``.
+    filtering (docs/metrics.md); under ``structured_outputs``, of those logits after the grammar's mask. ``n``
+    (1..128): independent samples of the prompt, returned as ``outputs[0..n)`` of one ``RequestOutput``; sample
+    i > 0 uses the seed :func:`child_seed` derives from ``seed``.
 
     ``structured_outputs`` (a :class:`~specdec.structured.StructuredOutputsParams` or a dict of its fields, vLLM's
     shape): the output is constrained to a JSON schema, any JSON object, a regex, a choice or a Lark grammar; the

@@ -40,6 +40,8 @@ def fit_to_grammar(proposal: DraftProposal | None, requests: list[RequestView], 
             continue
         valid = chain[: grammar.valid_prefix(chain)] if chain else []
         forced = grammar.forced_tokens()[:depth] if FORCED_TEXT else []
+        outside = next((j for j, t in enumerate(forced) if t >= grammar.vocab_size), len(forced))
+        forced = forced[:outside]  # a tokenizer's added ids beyond the model's vocabulary are never drafted
         drafts.append(forced if len(forced) > len(valid) else valid)
     if not any(drafts):
         return None

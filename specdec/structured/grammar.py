@@ -139,15 +139,17 @@ class GrammarState:
         valid = next((j for j, t in enumerate(drafts) if t in self._eos), len(drafts))
         valid = self._matcher.validate_tokens(list(drafts[:valid])) if valid else 0
         consumed = 0
-        for j in range(valid + 1):
-            out[j] = self.allowed()
-            if j == valid:
-                break
-            if not self._matcher.consume_token(drafts[j]):
-                raise RuntimeError(f"the grammar refused draft token {drafts[j]} it had validated")
-            consumed += 1
-        if consumed:
-            self._matcher.rollback(consumed)
+        try:
+            for j in range(valid + 1):
+                out[j] = self.allowed()
+                if j == valid:
+                    break
+                if not self._matcher.consume_token(drafts[j]):
+                    raise RuntimeError(f"the grammar refused draft token {drafts[j]} it had validated")
+                consumed += 1
+        finally:  # the matcher goes back to the committed output, also when a mask fails half way
+            if consumed:
+                self._matcher.rollback(consumed)
         return out
 
     def allowed_after(self, drafts: list[int]) -> np.ndarray:

@@ -6,7 +6,7 @@ import torch
 
 from specdec.cache.block_manager import BlockManager
 from specdec.device import to_device
-from specdec.spec_decode.proposers.base import DraftProposal, ModelFreeProposer
+from specdec.spec_decode.proposers.base import DraftProposal, ModelFreeProposer, split_drafts
 from specdec.spec_decode.proposers.draft_model import DraftModelProposer
 from specdec.spec_decode.request import RequestView
 
@@ -43,9 +43,14 @@ class CombinedProposer:
         model_offsets = [0]
         for n in model_counts:
             model_offsets.append(model_offsets[-1] + n)
-        host = None  # the drafts on the host, if the model's are (penalties, a model-free stand-in)
-        if model.token_ids is not None:
-            host = [model.token_ids[from_model[i]] if i in from_model else d for i, d in enumerate(free.token_ids)]
+        model_host = model.token_ids
+        if model_host is None and any(s.params.needs_host_drafts for s in seqs):
+            # a lookup request's penalties or grammar read every draft of the round on the host (the model's were
+            # left on the device because none of ITS requests needed them): one read
+            model_host = split_drafts(model.device_ids.tolist(), model_counts)
+        host = None  # the drafts on the host, if the model's are (penalties, grammars, a model-free stand-in)
+        if model_host is not None:
+            host = [model_host[from_model[i]] if i in from_model else d for i, d in enumerate(free.token_ids)]
         device_ids, bad_rows = None, None
         if model.device_ids is not None:  # the drafts stay on the device: the model's rows, then the lookup's
             rows, lookup_flat = [], []

@@ -108,7 +108,7 @@ def test_prepare_pads_each_window_after_its_real_tokens(tiny):
     items = windows([1, 3], contexts, config.vocab_size)
     meta, ids, positions, logits = static.prepare(items, pad_to=4)
     scratch = static.scratch_block * BLOCK_SIZE
-    assert positions.tolist() == [7, 8, 9, 10, 13, 14, 15, 16]
+    assert positions.tolist() == [7, 7, 7, 7, 13, 14, 15, 15]  # the padding repeats the window's last position
     assert ids.tolist()[1:4] == [0, 0, 0] and ids.tolist()[7] == 0
     assert ids.tolist()[0] == items[0].token_ids[0] and ids.tolist()[4:7] == items[1].token_ids
     assert meta.seq_lens.tolist() == [11, 17] and meta.cu_q_lens.tolist() == [0, 4, 8]
@@ -116,3 +116,20 @@ def test_prepare_pads_each_window_after_its_real_tokens(tiny):
     slots = meta.slot_mapping.tolist()
     assert slots[1:4] == [scratch, scratch + 1, scratch + 2] and slots[7] == scratch
     assert slots[0] == bm.block_table(0)[1] * BLOCK_SIZE + 3
+
+
+def test_no_padding_where_no_bucket_serves_and_padding_stays_in_the_rope_table(tiny):
+    """More sequences than the largest bucket: not padded (run eagerly as they are). Padding takes the window's last
+    RoPE position, never one past it (a window near max_model_len would read past the rope table)."""
+    model, config = tiny
+    contexts = [7, 13, 2]
+    static, bm, _ = runner_with_context(model, config, contexts, static=True)
+    static.static.batch_sizes = (1, 2)  # the largest bucket takes 2 sequences
+    assert static.padded_q_len(windows([1, 5, 3], contexts, config.vocab_size)) is None
+    near_end = [55, 2]  # a window at the end of the static forward's 64 positions
+    runner, bm2, _ = runner_with_context(model, config, near_end, static=True)
+    items = windows([5, 1], near_end, config.vocab_size)
+    assert runner.padded_q_len(items) == 5
+    _, _, positions, _ = runner.prepare(items, pad_to=5)
+    assert positions.tolist() == [55, 56, 57, 58, 59, 2, 2, 2, 2, 2]  # padding never beyond a real position
+    assert runner.forward(items).shape == (6, config.vocab_size)

@@ -184,3 +184,30 @@ def test_forced_text_is_drafted_for_free_and_changes_no_token(tiny_pair):
     assert accepted > 0 and drafted >= accepted
     steps = sum(o.metrics["target_forwards"] for o in outs)
     assert steps < sum(len(e.token_ids) for e in expected)  # fewer target forwards than tokens: free drafts paid
+
+
+def test_combined_drafting_with_constrained_lookup_hits_beside_unconstrained_misses(tiny_pair, monkeypatch):
+    """``method="combined"``: constrained requests drafted by the lookup, unconstrained ones by the draft model (whose
+    drafts then stay on the device): the grammar's masks still get every draft on the host - no failed step retried
+    request by request - and the greedy tokens equal plain decoding's."""
+    constrained = greedy(max_tokens=16, structured_outputs={"regex": "[^\\x00]{16}"})
+    free = greedy(max_tokens=16)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6, [120, 3, 77, 41], [200, 13, 8]]
+    params = [constrained, constrained, free, free]
+    plain = small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=prompts, sampling_params=params)]
+    llm = small_llm(tiny_pair[0], dtype="float32", block_size=4, max_model_len=256,
+                    speculative=SpeculativeConfig(method="combined", draft_model=tiny_pair[1],
+                                                  num_speculative_tokens=3, prompt_lookup_min=2))
+    retried = []
+    isolated = llm.engine._compute_isolated
+
+    def spy(batch, retry=False):
+        retried.append(retry)
+        return isolated(batch, retry)
+
+    monkeypatch.setattr(llm.engine, "_compute_isolated", spy)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert not any(retried), "a step failed and was retried request by request"
+    assert sum(o.metrics["accepted"] for o in outs) > 0
