@@ -1,8 +1,8 @@
 """Imports run one way, bottom to top (docs/architecture.md, "Layers"):
 
-    kernels/, device, memory, paths, outputs -> ops -> model/, checkpoint/, tokenizer/, cache/, sampling/
-    -> config/, runner/ -> spec_decode/ -> engine/
-    -> llm, serve/, training/, cli (the front ends)
+    kernels/, device, memory, paths, outputs -> ops -> model/, checkpoint/, tokenizer/, cache/, sampling/,
+    structured/ -> config/, runner/ -> spec_decode/ -> engine/
+    -> llm, serve/, tool_calls, training/, cli (the front ends)
 
 A module may import its own layer and the layers below it, never one above: a proposer never reaches into the
 engine, verification never imports a proposer's request type, the runner never imports speculative decoding. Every
@@ -32,11 +32,12 @@ LAYERS: list[tuple[str, ...]] = [
     # build the forward (checkpoint -> model) and the forward reads checkpoint entries in place (model.llama ->
     # checkpoint.safetensors_reader), so the two share a layer; test_no_import_cycles keeps them acyclic
     ("specdec.model", "specdec.checkpoint", "specdec.tokenizer", "specdec.cache", "specdec.sampling",
-     "specdec.distributed.comm", "specdec.distributed.sharding", "specdec.distributed.layers"),
+     "specdec.structured", "specdec.distributed.comm", "specdec.distributed.sharding", "specdec.distributed.layers"),
     ("specdec.config", "specdec.runner", "specdec.distributed"),
     ("specdec.spec_decode",),
     ("specdec.engine",),
-    ("specdec.llm", "specdec.serve", "specdec.training", "specdec.cli", "specdec.__main__", "specdec"),
+    ("specdec.llm", "specdec.serve", "specdec.tool_calls", "specdec.training", "specdec.cli", "specdec.__main__",
+     "specdec"),
 ]
 
 

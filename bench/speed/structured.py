@@ -7,7 +7,7 @@ interleaved, ``--reps`` times per prompt after a warm-up run:
 - ``unconstrained``: plain decoding of the same prompts without a schema (what the constraint costs);
 - ``plain``: plain decoding under the schema;
 - ``prompt_lookup``: prompt lookup under the schema, the grammar's forced text drafted for free
-  (``specdec/structured/forced_drafts.py``);
+  (``specdec/spec_decode/forced_drafts.py``);
 - ``prompt_lookup_no_forced``: the same with the forced text off (chains only cut to the grammar);
 - ``draft_model``: the target's own int4 copy as the draft (``draft_model="self"``), q masked by the grammar.
 
@@ -36,7 +36,7 @@ from bench.common import (
     write_json,
 )
 from specdec import LLM, SamplingParams, SpeculativeConfig
-from specdec.structured import forced_drafts
+from specdec.spec_decode import forced_drafts
 
 ENGINES = ("unconstrained", "plain", "prompt_lookup", "prompt_lookup_no_forced", "draft_model")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.device import StepOutput, to_device
+from specdec.engine.grammar_masks import mask_step_logits
 from specdec.engine.plain_step import plain_item, sample_plain
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
@@ -36,7 +37,6 @@ from specdec.runner.model_runner import ForwardItem, ModelRunner
 from specdec.sampling.logprobs import TokenLogprobs, token_logprobs
 from specdec.spec_decode.round import SpeculativeRound
 from specdec.spec_decode.speculator import Speculator
-from specdec.structured.step_masks import mask_step_logits
 
 
 @dataclass

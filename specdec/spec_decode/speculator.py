@@ -18,12 +18,12 @@ from specdec.cache.kv_pool import KVPool
 from specdec.config import EngineConfig, SpeculativeConfig
 from specdec.model.llama import LlamaForCausalLM
 from specdec.spec_decode.accepted_path import move_accepted_path
+from specdec.spec_decode.forced_drafts import fit_to_grammar
 from specdec.spec_decode.policy import SpeculationPolicy, StepTiming
 from specdec.spec_decode.proposers.base import Proposer
 from specdec.spec_decode.proposers.factory import build_proposer
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.round import SpeculativeRound
-from specdec.structured.forced_drafts import fit_to_grammar
 from specdec.tokenizer.tokenizer import Tokenizer
 
 
