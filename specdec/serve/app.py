@@ -376,6 +376,10 @@ async def _merge(streams: list[RequestStream], deadline: float | None = None
     """(prompt index, output) from every stream as they come, then ``(-1, None)`` once if ``deadline``
     (``time.monotonic()``) passes first; cancelling the consumer cancels the readers (whose streams then abort their
     requests)."""
+    if len(streams) == 1 and deadline is None:  # the common case: no reader task, no queue
+        async for out in streams[0]:
+            yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:

@@ -103,7 +103,7 @@ def sample_draft_step(logits: torch.Tensor, seqs: list[RequestView], step: int, 
     constrained = [r for r, s in enumerate(seqs) if s.grammar is not None]
     if constrained:  # q masked as p will be: the grammar state after output + the drafts so far
         allowed = np.stack([seqs[r].grammar.allowed_after(drafts[r]) for r in constrained])  # [N, V_target]
-        allowed = allowed[:, vocab.target_ids.cpu().numpy()] if vocab is not None else allowed[:, : logits.shape[1]]
+        allowed = allowed[:, vocab.host_ids] if vocab is not None else allowed[:, : logits.shape[1]]
         with torch.inference_mode():
             logits = logits.clone()  # the drafter's own logits stay as they were
         mask_logits(logits, constrained, allowed)

@@ -157,7 +157,8 @@ class DraftVocab:
         self.target_vocab_size = target_vocab_size
         self.target_ids = target_ids.to(device=device, dtype=torch.int64)  # int64 [S]
         self._columns = np.full(target_vocab_size, -1, dtype=np.int64)  # target id -> its column, -1 outside S
-        self._columns[target_ids.cpu().numpy()] = np.arange(self.size)
+        self.host_ids = target_ids.cpu().numpy()  # int64 [S]: column c's target id, on the host (grammar masks)
+        self._columns[self.host_ids] = np.arange(self.size)
 
     def to_target(self, columns: torch.Tensor) -> torch.Tensor:
         """Target ids of the columns ``columns`` (int64, any shape, on the device; no host read)."""
