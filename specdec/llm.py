@@ -57,6 +57,12 @@ class LLM:
             ``torchrun`` it must be ``WORLD_SIZE``: nothing is spawned, this call builds the engine on rank 0, and
             on every other rank it serves rank 0 until rank 0 shuts the engine down, then ends the process
             (``SystemExit(0)``; ``TensorParallelError`` if rank 0 dies) - it never returns there.
+        batch_invariant: None (default): on a CPU with AMX-BF16 a bfloat16 model runs specdec's row-invariant
+            kernels (every bf16 linear and the attention compute each row the same bit for bit whatever else is in
+            the forward - a decode, a verification window, a batch, a prefill chunk), so greedy speculative output
+            equals plain greedy output and an answer does not depend on its batch (docs/guarantees.md); True: also
+            on CPUs with AVX512_BF16 but no AMX, where the GEMM is slower than oneDNN's at 5+ rows (``ValueError``
+            where it cannot run: GPUs, float32); False: oneDNN and SDPA, as before.
         distributed_timeout_s: the longest one collective waits for a worker: a worker that dies ends the
             in-flight requests with ``finish_reason "error"`` at once, one that hangs after this many seconds.
     """
@@ -82,6 +88,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         distributed_timeout_s: float = 60.0,
         quantize_lm_head: bool | None = None,
+        batch_invariant: bool | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
     ):
         if speculative_config is not None:
@@ -101,7 +108,7 @@ class LLM:
             prepack_weights=prepack_weights, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, quantization=quantization, quantization_group_size=quantization_group_size,
             tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
-            quantize_lm_head=quantize_lm_head,
+            quantize_lm_head=quantize_lm_head, batch_invariant=batch_invariant,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call

@@ -27,6 +27,7 @@ from specdec.kernels import softmax as _softmax
 from specdec.kernels import spec_sample as _spec_sample
 from specdec.kernels import top_k_top_p as _top_k_top_p
 from specdec.kernels import tree_sample as _tree_sample
+from specdec.kernels.cpu import attention as _native_attention
 
 # None: by device (the kernel on CUDA, the reference elsewhere); "triton" / "reference": forced by the innermost
 # active force_triton() / force_reference() context.
@@ -111,14 +112,24 @@ def paged_attention(
     tree_mask: torch.Tensor | None = None,
     tree_mask_indptr: torch.Tensor | None = None,
     uniform_q_len: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Paged attention; see :func:`specdec.kernels.paged_attention.paged_attention_reference` for shapes.
+
+    ``invariant``: on CPU, the row-invariant native kernel (``specdec.kernels.cpu.attention``: each query row the same
+    bit for bit whatever the rest of the call) where it takes these tensors; ignored on GPUs and while tracing.
 
     ``uniform_q_len``: a Python int when every sequence has exactly that many new tokens and is causal (decode,
     draft step, chain verification window). Then the op runs its static-shape, host-read-free variant
     (``paged_attention_uniform`` / ``paged_attention_uniform_reference``) - what a CUDA graph captures and
     ``torch.compile(fullgraph=True)`` traces. None (default): the general ragged path.
     """
+    if (invariant and not use_triton(q) and not torch.compiler.is_dynamo_compiling()
+            and _native_attention.available() and _native_attention.supports(q, k_cache)):
+        if uniform_q_len is not None and tree_mask is not None:
+            raise ValueError("uniform_q_len is for causal batches; a tree mask needs uniform_q_len=None")
+        return _native_attention.paged_attention_invariant(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens,
+                                                           scale, tree_mask, tree_mask_indptr)
     if uniform_q_len is not None:
         if tree_mask is not None:
             raise ValueError("uniform_q_len is for causal batches; a tree mask needs uniform_q_len=None")

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 from specdec.checkpoint.safetensors_reader import TensorEntry, read_header
 from specdec.distributed.comm import TPGroup
 from specdec.distributed.sharding import check_quantized_tensor_parallel
+from specdec.model import batch_invariant as batch_invariant_kernels
 from specdec.model.config import ModelConfig
 from specdec.model.linear import check_prepack_option, prepack_linears, prepack_supported
 from specdec.model.llama import LlamaForCausalLM
@@ -120,7 +121,7 @@ def load_model(
     path: str, dtype: torch.dtype, device: torch.device, max_positions: int, config: ModelConfig | None = None,
     prepack_weights: bool | None = None, quantization: str | None = None, quantization_group_size: int | None = None,
     gguf_path: str | None = None, shared_embedding: torch.nn.Parameter | None = None, group: TPGroup | None = None,
-    quantize_lm_head: bool | None = None,
+    quantize_lm_head: bool | None = None, batch_invariant: bool | None = None,
 ) -> LlamaForCausalLM:
     """Build our forward for the HF folder ``path`` and load its weights (no random init is ever computed).
 
@@ -140,9 +141,12 @@ def load_model(
     norms (specdec/distributed/sharding.py); with ``quantization`` each rank quantises its own slices while
     loading (``ValueError`` where a group would straddle a shard boundary), and ``shared_embedding`` is then this
     rank's shard of the target's embedding ``[ceil(V / N), hidden]``. ``group`` need not be connected: loading
-    makes no collective.
+    makes no collective. ``batch_invariant``: run the row-invariant CPU kernels (specdec/model/batch_invariant.py;
+    None: where they are not slower, unless ``prepack_weights`` is False) - they take the place of the oneDNN
+    packed copies; with ``prepack_weights=False`` and True the plain weights stay beside their packed copies.
     """
     check_prepack_option(prepack_weights, dtype, torch.device(device))
+    batch_invariant_kernels.check_option(batch_invariant, dtype, torch.device(device))
     config = config or ModelConfig.from_json(path)
     if group is not None:
         check_quantized_tensor_parallel(config, group.size, quantization, quantization_group_size)
@@ -161,6 +165,10 @@ def load_model(
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_weights(iter_weight_entries(path))
-    if prepack_weights is not False and prepack_supported(dtype, torch.device(device)):
+    if prepack_weights is False and batch_invariant is None:
+        batch_invariant = False  # plain weights asked for (torch.compile, quantize_linears): no packed copy either
+    if batch_invariant_kernels.resolve(batch_invariant, dtype, torch.device(device)):
+        batch_invariant_kernels.enable(model, release_weights=prepack_weights is not False)
+    elif prepack_weights is not False and prepack_supported(dtype, torch.device(device)):
         prepack_linears(model, required=prepack_weights is True)
     return model.eval()

@@ -13,6 +13,7 @@ from specdec.config.kv_pool_sizing import kv_pool_blocks
 from specdec.config.parallel import check_tensor_parallel_options
 from specdec.config.speculative import SpeculativeConfig
 from specdec.distributed.sharding import check_quantized_tensor_parallel, check_tensor_parallel
+from specdec.model.batch_invariant import check_option as check_batch_invariant_option
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import check_prepack_option
 from specdec.model.quant.linear import check_quantization, check_quantize_lm_head
@@ -47,6 +48,9 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0  # the most one collective waits for a worker (a hung one) before failing
     # None: an untied LM head is quantised with the linears, a tied one kept; True: a tied one too; False: never
     quantize_lm_head: bool | None = None
+    # None: the row-invariant CPU kernels where they are not slower; True: wherever they run; False: never
+    # (specdec/model/batch_invariant.py, docs/guarantees.md)
+    batch_invariant: bool | None = None
 
     @classmethod
     def create(
@@ -70,6 +74,7 @@ class EngineConfig:
         tensor_parallel_size: int = 1,
         distributed_timeout_s: float = 60.0,
         quantize_lm_head: bool | None = None,
+        batch_invariant: bool | None = None,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -95,6 +100,7 @@ class EngineConfig:
                                         "target")
         torch_dtype = resolve_dtype(dtype, model_config, dev)
         check_prepack_option(prepack_weights, torch_dtype, dev)
+        check_batch_invariant_option(batch_invariant, torch_dtype, dev)
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(limit, 8192)
@@ -118,7 +124,7 @@ class EngineConfig:
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
                    num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching,
                    enforce_eager, quantization, quantization_group_size, tensor_parallel_size,
-                   float(distributed_timeout_s), quantize_lm_head)
+                   float(distributed_timeout_s), quantize_lm_head, batch_invariant)
 
     @property
     def gguf_source(self) -> str | None:

@@ -64,7 +64,8 @@ class LLMEngine:
             self.model = load_model(config.model_path, config.dtype, config.device, config.max_model_len + 1,
                                     self.model_config, config.prepack_weights, config.quantization,
                                     config.quantization_group_size, config.gguf_source,
-                                    quantize_lm_head=config.quantize_lm_head)
+                                    quantize_lm_head=config.quantize_lm_head,
+                                    batch_invariant=config.batch_invariant)
             self.pool = KVPool(self.model_config, config.num_kv_blocks, config.block_size, config.dtype,
                                config.device)
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,

@@ -21,6 +21,10 @@ packed bf16 copy costs 4.5-5.6 ms for 1 to 5 rows and is faster than ``F.linear`
 (``PREPACK_MIN_ROWS_BF16``). It is offered only on CPUs with native bf16 (avx512_bf16 or AMX): elsewhere oneDNN
 emulates bf16 and float32 is the fast dtype (see ``resolve_dtype``'s CPU policy).
 
+Under ``LLM(batch_invariant=...)`` (on by default where AMX runs it, ``specdec/model/batch_invariant.py``) a
+bfloat16 ``Linear`` runs a row-invariant GEMM of specdec's own instead (``pack_invariant``,
+``specdec.kernels.cpu.gemm``): every output row is the same bit for bit whatever the number of rows.
+
 The packed copy replaces the plain weight (``prepack(release_weight=True)``, what ``prepack_linears`` does): the
 ``weight`` parameter becomes a ``meta`` tensor of the same shape and dtype and every row count goes through the
 packed copy, so a model's linears take their weights' bytes once (issue 19: a kept plain copy doubled them).
@@ -39,6 +43,7 @@ import logging
 import torch
 from torch import nn
 
+from specdec.kernels.cpu.gemm import gemm_bf16, pack_bf16
 from specdec.memory import available_memory_bytes
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class Linear(nn.Linear):
     (bfloat16). Output ``[..., out_features]`` in ``x``'s dtype either way; ``x`` must have the weight's dtype."""
 
     packed_weight: torch.Tensor | None = None  # oneDNN-layout copy of ``weight``, set by ``prepack()``
+    invariant_weight: torch.Tensor | None = None  # row-invariant GEMM's copy (``pack_invariant()``): used first
     packed_bf16: bool = False  # the packed copy is bfloat16: use it for every row count
     weight_released: bool = False  # ``weight`` is a meta tensor: the packed copy is the only one
 
@@ -71,6 +77,10 @@ class Linear(nn.Linear):
         # NOTE: under torch.compile the plain F.linear: Inductor lowers mkldnn._linear_pointwise only for weights
         # it packed itself (graph constants, "freezing"), so our packed copy fails to compile; with
         # ``options={"freezing": True}`` Inductor packs F.linear's weight the same way (specdec/runner/cuda_graphs.py).
+        if self.invariant_weight is not None and not dynamo_tracing():
+            x2 = x.reshape(-1, x.shape[-1])  # (M, in_features)
+            out = gemm_bf16(x2, self.invariant_weight, self.out_features, self.bias, x.dtype)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed_weight is not None and not dynamo_tracing():
             rows = x.shape[0] if x.dim() == 2 else None
             if self.weight_released or (rows is not None and rows >= (
@@ -98,6 +108,20 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
             self.weight_released = True
 
+    def pack_invariant(self, release_weight: bool = False) -> None:
+        """Run this bf16 linear through the row-invariant GEMM (``specdec.kernels.cpu.gemm``): each output row the
+        same bit for bit whatever the number of rows (docs/guarantees.md). Replaces a oneDNN packed copy;
+        ``release_weight`` as in ``prepack``."""
+        if self.weight_released:
+            raise ValueError("pack_invariant() after the plain weight was released: there is no weight to pack")
+        if self.weight.dtype != torch.bfloat16:
+            raise ValueError(f"the row-invariant GEMM takes bfloat16 weights, not {self.weight.dtype}")
+        self.invariant_weight = pack_bf16(self.weight.detach())
+        self.packed_weight, self.packed_bf16 = None, False
+        if release_weight:
+            self.weight = nn.Parameter(torch.empty_like(self.weight, device="meta"), requires_grad=False)
+            self.weight_released = True
+
     def unpack(self) -> None:
         """Drop the packed copy and go back to ``F.linear`` (``ValueError`` if the plain weight was released)."""
         if self.weight_released:
@@ -105,6 +129,7 @@ class Linear(nn.Linear):
                              "prepack_weights=False to keep plain weights")
         self.packed_weight = None
         self.packed_bf16 = False
+        self.invariant_weight = None
 
 
 @functools.cache

@@ -88,6 +88,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.rope = rope
         self.group = group
+        self.batch_invariant = False  # row-invariant CPU attention (specdec/model/batch_invariant.py)
 
     def forward(
         self,
@@ -104,7 +105,7 @@ class Attention(nn.Module):
                               meta.slot_mapping, self.num_heads, self.num_kv_heads)  # (T, Hq, D)
         out = ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q_lens, self.scale,
-            meta.tree_mask, meta.tree_mask_indptr, uniform_q_len=meta.uniform_q_len,
+            meta.tree_mask, meta.tree_mask_indptr, uniform_q_len=meta.uniform_q_len, invariant=self.batch_invariant,
         )  # (T, Hq, D)
         out = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden): this rank's heads' share
         return out if self.group is None else self.group.all_reduce(out)

@@ -28,6 +28,7 @@ from helpers import small_llm
 from tiny_models import make_tiny_eagle3_head, make_tiny_model
 
 from specdec import SamplingParams, SpeculativeConfig
+from specdec.model import batch_invariant
 from specdec.model.quant.linear import QuantizedLinear
 
 VOCAB = 300  # tiny_models' default, both targets
@@ -80,6 +81,7 @@ class Case:
     batch: int = 4  # max_num_seqs of the speculative LLM
     prompts: str = "random"  # a PROMPT_SETS key
     quantization: str | None = None  # the target's, for the plain and the speculative LLM alike
+    dtype: str = "float32"  # the target's (and the plain reference's); bfloat16 runs the batch-invariant kernels
     llm: dict = field(default_factory=dict)  # more speculative-LLM options
     rejects: bool = True  # rounds that reject must occur (accepted < drafted)
     check: Callable | None = None  # check(llm, outs, dirs): the case's own assertions
@@ -213,6 +215,21 @@ CASES = [
       for q, dq in ((None, "int4"), (None, "int8"), ("int8", "int4"))],
 ]
 
+# bfloat16 and bf16 + int8 / int4 targets: token identity from the batch-invariant CPU kernels (issue 33;
+# LLM(batch_invariant=True): every bf16 linear and the attention compute each row the same way whatever the window,
+# tree, batch or prefill chunk around it), without the fp32 cases' accepted ties - the comparison is exact
+BF16_CASES = [
+    Case(f"bf16-{c.id}", c.spec, target=c.target, batch=c.batch, prompts=c.prompts, quantization=q,
+         dtype="bfloat16", llm=c.llm, rejects=c.rejects)
+    for q in (None, "int8", "int4")
+    for c in CASES if c.id in (
+        "draft_model-k3-b4", "draft_model-mixed_steps", "block_verify-b1", "tree-2211-b1", "tree-dynamic-b4",
+        "prompt_lookup-b1", "prompt_lookup-b4", "ngram_table-b4", "ngram_table-tree-static", "eagle3-chain-b4",
+        "eagle3-tree-dynamic-b1", "eagle3-mixed_steps-tree")
+    if q is None or c.target == "pair"
+]
+CASES += BF16_CASES
+
 
 @pytest.fixture(scope="module")
 def dirs(tiny_pair, tmp_path_factory) -> dict[str, str]:
@@ -235,26 +252,40 @@ def reference(dirs):
     plain engines are dropped once the module is done)."""
     engines, tokens = {}, {}
 
-    def get(target, quantization, prompt_set):
-        if (target, quantization, prompt_set) not in tokens:
-            if (target, quantization) not in engines:
+    def get(target, quantization, prompt_set, dtype="float32"):
+        key = (target, quantization, dtype)
+        if key + (prompt_set,) not in tokens:
+            if key not in engines:
                 path = dirs["target"] if target == "pair" else dirs["eagle_target"]
-                engines[target, quantization] = small_llm(path, dtype="float32", block_size=4,
-                                                          quantization=quantization, **TARGET_OPTS[target])
+                alone = {"max_num_seqs": 1} if dtype == "bfloat16" else {}  # bf16: every request decoded alone
+                engines[key] = small_llm(path, dtype=dtype, block_size=4, quantization=quantization, **alone,
+                                         **invariant(dtype), **TARGET_OPTS[target])
             prompts, params = PROMPT_SETS[prompt_set]
-            outs = engines[target, quantization].generate(prompt_token_ids=prompts, sampling_params=params)
-            tokens[target, quantization, prompt_set] = [o.outputs[0].token_ids for o in outs]
-        return tokens[target, quantization, prompt_set]
+            outs = engines[key].generate(prompt_token_ids=prompts, sampling_params=params)  # each request alone
+            tokens[key + (prompt_set,)] = [o.outputs[0].token_ids for o in outs]
+        return tokens[key + (prompt_set,)]
 
     return get
 
 
+def invariant(dtype: str) -> dict:
+    """bfloat16 cases ask for the batch-invariant kernels (and are skipped where they cannot run)."""
+    return {"batch_invariant": True} if dtype == "bfloat16" else {}
+
+
+def skip_without_invariant_kernels(case: Case) -> None:
+    if case.dtype == "bfloat16" and not batch_invariant.supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("the batch-invariant kernels need AVX512_BF16 and a C compiler")
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_greedy_speculative_equals_plain(dirs, reference, case):
-    expected = reference(case.target, case.quantization, case.prompts)
+    skip_without_invariant_kernels(case)
+    expected = reference(case.target, case.quantization, case.prompts, case.dtype)
     path = dirs["target"] if case.target == "pair" else dirs["eagle_target"]
-    llm = small_llm(path, dtype="float32", block_size=4, quantization=case.quantization, max_num_seqs=case.batch,
-                    speculative=SpeculativeConfig(**case.spec(dirs)), **TARGET_OPTS[case.target], **case.llm)
+    llm = small_llm(path, dtype=case.dtype, block_size=4, quantization=case.quantization, max_num_seqs=case.batch,
+                    speculative=SpeculativeConfig(**case.spec(dirs)), **invariant(case.dtype),
+                    **TARGET_OPTS[case.target], **case.llm)
     prompts, params = PROMPT_SETS[case.prompts]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -269,3 +300,16 @@ def test_greedy_speculative_equals_plain(dirs, reference, case):
         assert bm.num_free_blocks == bm.num_blocks
     if case.check is not None:
         case.check(llm, outs, dirs)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_bf16_plain_batch_equals_each_request_alone(dirs, reference, quantization):
+    """A request's greedy tokens in a batch of 6 (prefill chunks admitted beside decodes) equal its tokens alone."""
+    skip_without_invariant_kernels(Case("plain", draft(1), dtype="bfloat16"))
+    for prompt_set in ("random", "mixed"):
+        expected = reference("pair", quantization, prompt_set, "bfloat16")
+        llm = small_llm(dirs["target"], dtype="bfloat16", block_size=4, quantization=quantization, max_num_seqs=6,
+                        batch_invariant=True, max_num_batched_tokens=24, **TARGET_OPTS["pair"])
+        prompts, params = PROMPT_SETS[prompt_set]
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.outputs[0].token_ids for o in outs] == expected

@@ -90,6 +90,9 @@ def test_the_engine_holds_its_weights_once_plus_the_pool(small_model):
 def test_the_census_rejects_a_kept_plain_copy(small_model, monkeypatch):
     monkeypatch.setattr(loader, "prepack_linears", lambda model, required=False: prepack_linears(
         model, required=True, release_weights=False))
+    real_enable = loader.batch_invariant_kernels.enable  # the invariant kernels' packing, where they run
+    monkeypatch.setattr(loader.batch_invariant_kernels, "enable",
+                        lambda model, release_weights=True: real_enable(model, release_weights=False))
     held, weights, pool = engine_bytes(small_model)
     assert held > 1.5 * (weights + pool)  # the mutant: every linear weight twice
 

@@ -28,8 +28,9 @@ def census(path: str, quantization: str) -> tuple[int, int, int]:
     quantised = sum(m.held_bytes() for m in linears)
     inside = {id(p) for m in linears for p in m.parameters()}
     others = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside and not p.is_meta)
-    packed_head = getattr(model.lm_head, "packed_weight", None)
-    others += packed_head.nbytes if packed_head is not None else 0
+    for attr in ("packed_weight", "invariant_weight"):  # oneDNN's or the invariant GEMM's copy of a tied head
+        packed_head = getattr(model.lm_head, attr, None)
+        others += packed_head.nbytes if packed_head is not None else 0
     pool = sum(t.numel() * t.element_size() for t in llm.engine.runner.pool.tensors)
     bf16_linears = sum(m.in_features * m.out_features * 2 for m in linears)
     del llm, model, linears

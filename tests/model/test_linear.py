@@ -190,12 +190,35 @@ def test_bf16_model_is_prepacked_and_prompt_lookup_matches_plain_greedy(tiny_pai
     import specdec
 
     target, _ = tiny_pair
-    llm = small_llm(target, dtype="bfloat16")
+    llm = small_llm(target, dtype="bfloat16", batch_invariant=False)  # oneDNN's packed copies, not the invariant GEMM
     linears = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None and m.packed_bf16 for m in linears)
     params = specdec.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompt = [[3, 17, 5, 9, 3, 17]]
     packed = llm.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0].token_ids
-    spec = small_llm(target, dtype="bfloat16", speculative=specdec.SpeculativeConfig(
+    spec = small_llm(target, dtype="bfloat16", batch_invariant=False, speculative=specdec.SpeculativeConfig(
         method="prompt_lookup", num_speculative_tokens=3))
     assert spec.generate(prompt_token_ids=prompt, sampling_params=params)[0].outputs[0].token_ids == packed
+
+
+def test_batch_invariant_option(tiny_pair):
+    """None runs the invariant kernels where AMX runs the GEMM (bf16, CPU), True wherever they run, False never;
+    True where they cannot run is a ValueError naming what is needed."""
+    from specdec.kernels.cpu import gemm
+    from specdec.model import batch_invariant
+
+    target, _ = tiny_pair
+    with pytest.raises(ValueError, match="bfloat16 model on a CPU with AVX512_BF16"):
+        small_llm(target, dtype="float32", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant must be None"):
+        small_llm(target, dtype="bfloat16", batch_invariant="yes")
+    if not batch_invariant.supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no AVX512_BF16 here")
+    for option, on in ((None, gemm.backend() == "amx"), (True, True), (False, False)):
+        model = small_llm(target, dtype="bfloat16", batch_invariant=option).engine.model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all((m.invariant_weight is not None) == on for m in linears), option
+        assert all(m.self_attn.batch_invariant == on for m in model.layers), option
+        assert all(m.weight_released for m in linears) or not on  # the packed copy replaces the plain weight
+    fp32 = small_llm(target, dtype="float32").engine.model  # float32: never (its linears run MKL)
+    assert not any(m.invariant_weight is not None for m in fp32.modules() if isinstance(m, Linear))
