@@ -115,3 +115,22 @@ def test_the_check_catches_onednn():
         full = run(x)
         differing += sum(not torch.equal(run(x[i : i + 1]), full[i : i + 1]) for i in range(64))
     assert differing > 0
+
+
+def test_without_a_compiler_the_kernels_are_off(monkeypatch, tmp_path, caplog):
+    """A failing compiler (or SPECDEC_NATIVE=0) leaves bf16 linears on oneDNN, with a warning naming what is lost."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    gemm._amx.cache_clear()
+    gemm._avx512_bf16.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert not gemm.available()
+        assert "whose rounding changes with the number of rows" in caplog.text
+        gemm._amx.cache_clear()
+        gemm._avx512_bf16.cache_clear()
+        monkeypatch.setenv("SPECDEC_NATIVE", "0")
+        assert gemm.backend() is None
+    finally:
+        gemm._amx.cache_clear()  # the next caller builds (or finds) the real kernels again
+        gemm._avx512_bf16.cache_clear()

@@ -21,19 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from specdec.paths import cache_root
+from specdec.kernels.cpu.build import build_library, cpu_flags
 
-logger = logging.getLogger(__name__)
 NATIVE_DIR = Path(__file__).parent / "native"
 SOURCES = [NATIVE_DIR / name for name in ("w4a8.c", "w8a8.c")]  # compiled into one library
 HEADERS = [NATIVE_DIR / "common.h"]  # what they share (part of the build's hash)
@@ -45,40 +38,15 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vnni",
           "-fPIC", "-shared"]
 
 
-def _cpu_has_vnni() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512_vnni", "f16c"))
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """Build (once per source version) and load the native kernels; None where they cannot run here."""
-    if os.environ.get("SPECDEC_NATIVE", "1") == "0" or not _cpu_has_vnni():
+    if not {"avx512f", "avx512bw", "avx512_vnni", "f16c"} <= cpu_flags():
         return None
-    compiler = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
-    if compiler is None:
-        logger.warning("no C compiler (gcc / cc / $CC) found: specdec's native CPU kernels are off (int4 linears use "
-                       "torch's slower int4 kernel, int8 ones oneDNN's int8 GEMM)")
+    lib = build_library("specdec_native", SOURCES, HEADERS, CFLAGS,
+                        "int4 linears use torch's slower int4 kernel, int8 ones oneDNN's int8 GEMM")
+    if lib is None:
         return None
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    tag = hashlib.sha256(source + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    out_dir = cache_root() / "native" / tag
-    lib_path = out_dir / "libspecdec_native.so"
-    if not lib_path.exists():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:  # build aside, then rename: parallel builders agree
-            tmp_lib = Path(tmp) / lib_path.name
-            done = subprocess.run([compiler, *CFLAGS, *map(str, SOURCES), "-o", str(tmp_lib), "-lm"],
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                logger.warning("building specdec's native CPU kernels failed (int4 linears use torch's slower int4 "
-                               "kernel, int8 ones oneDNN's int8 GEMM): %s", done.stderr.strip()[-2000:])
-                return None
-            os.replace(tmp_lib, lib_path)
-    lib = ctypes.CDLL(str(lib_path))
     fn = lib.specdec_w4a8_gemm
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     cint = ctypes.c_int
