@@ -124,8 +124,11 @@ def paged_attention(
     (``paged_attention_uniform`` / ``paged_attention_uniform_reference``) - what a CUDA graph captures and
     ``torch.compile(fullgraph=True)`` traces. None (default): the general ragged path.
     """
-    if (invariant and not use_triton(q) and not torch.compiler.is_dynamo_compiling()
-            and _native_attention.available() and _native_attention.supports(q, k_cache)):
+    if invariant and not use_triton(q) and not torch.compiler.is_dynamo_compiling():
+        if not (_native_attention.available() and _native_attention.supports(q, k_cache)):
+            raise ValueError(f"row-invariant attention was asked for, but its CPU kernel does not take q "
+                             f"{tuple(q.shape)} {q.dtype} / cache {tuple(k_cache.shape)} {k_cache.dtype} here "
+                             f"(specdec.kernels.cpu.attention.supports)")
         if uniform_q_len is not None and tree_mask is not None:
             raise ValueError("uniform_q_len is for causal batches; a tree mask needs uniform_q_len=None")
         return _native_attention.paged_attention_invariant(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens,

@@ -51,7 +51,7 @@ CPU = torch.device("cpu")
 def held_bytes(model) -> int:
     """Bytes of every parameter, buffer and packed weight copy the model holds (meta tensors excluded)."""
     tensors = [*model.parameters(), *model.buffers()]
-    tensors += [m.packed_weight for m in model.modules() if getattr(m, "packed_weight", None) is not None]
+    tensors += [m.packed_copy for m in model.modules() if getattr(m, "packed_copy", None) is not None]
     seen, total = set(), 0
     for t in tensors:
         if t.is_meta or id(t) in seen:

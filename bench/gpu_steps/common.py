@@ -172,7 +172,7 @@ def forward_weight_bytes(model) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters()
                 if not p.is_meta and not (p is embed and head is not embed))  # fmt: skip
     for module in model.modules():
-        packed = getattr(module, "packed_weight", None)
+        packed = getattr(module, "packed_copy", None)
         if getattr(module, "weight_released", False) and packed is not None:
             total += packed.numel() * packed.element_size()
     return total

@@ -56,8 +56,8 @@ load_s = time.perf_counter() - start
 after = mib("VmRSS")
 model = llm.engine.model
 params = sum(p.numel() * p.element_size() for p in model.parameters())
-packed = sum(getattr(m, "packed_weight").nbytes for m in model.modules()
-             if getattr(m, "packed_weight", None) is not None)
+packed = sum(getattr(m, "packed_copy").nbytes for m in model.modules()
+             if getattr(m, "packed_copy", None) is not None)
 released = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
 quantized = [m for m in model.modules() if hasattr(m, "held_bytes")]
 inside = {id(p) for m in quantized for p in m.parameters()}

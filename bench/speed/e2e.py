@@ -458,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     warm_up([plain_llm, spec_llm], next(iter(ids.values()))[:1])
 
     target_model, config = spec_llm.engine.model, spec_llm.engine.model_config
-    meta["prepacked_linears"] = any(getattr(m, "packed_weight", None) is not None for m in target_model.modules())
+    meta["prepacked_linears"] = any(getattr(m, "packed_copy", None) is not None for m in target_model.modules())
+    meta["batch_invariant_linears"] = any(getattr(m, "invariant_weight", None) is not None
+                                          for m in target_model.modules())
     draft_model, draft_config, eagle3_head = draft_step_model(spec_llm)
 
     results: dict = {"phase_a": {}, "costs": {}}

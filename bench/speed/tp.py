@@ -252,7 +252,7 @@ def memory_one(args) -> dict:
         for p in m.parameters(recurse=False):
             if p.device.type != "meta":
                 held += p.numel() * p.element_size()
-        packed = getattr(m, "packed_weight", None)
+        packed = getattr(m, "packed_copy", None)
         if packed is not None:
             held += packed.numel() * packed.element_size()  # NOTE: the packed layout may pad; numel is a lower bound
     pool_bytes = sum(t.numel() * t.element_size() for t in pool.tensors)

@@ -44,13 +44,38 @@ def available() -> bool:
     return _library() is not None
 
 
+def supports_shape(head_dim: int, num_q_heads: int, num_kv_heads: int) -> bool:
+    """The head layouts the kernel takes: a head dimension that is a multiple of 16 up to 256, at most 16 query heads
+    per KV head."""
+    return (head_dim % 16 == 0 and 0 < head_dim <= MAX_HEAD_DIM and num_kv_heads > 0
+            and num_q_heads % num_kv_heads == 0 and num_q_heads // num_kv_heads <= MAX_GROUP)
+
+
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The shapes and dtypes the kernel takes: CPU tensors, q and the caches bf16 or fp32, a head dimension that is a
-    multiple of 16 up to 256, at most 16 query heads per KV head."""
-    head_dim, hq, hkv = q.shape[-1], q.shape[1], k_cache.shape[2]
-    return (q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
-            and k_cache.dtype in (torch.bfloat16, torch.float32) and head_dim % 16 == 0 and head_dim <= MAX_HEAD_DIM
-            and hq % hkv == 0 and hq // hkv <= MAX_GROUP)
+    """The tensors the kernel takes: CPU, q and the caches bf16 or fp32, a head layout ``supports_shape`` takes."""
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
+            and k_cache.dtype in (torch.bfloat16, torch.float32)
+            and supports_shape(q.shape[-1], q.shape[1], k_cache.shape[2]))
+
+
+def _check_metadata(num_tokens: int, block_size: int, tables: torch.Tensor, lens: torch.Tensor, cu: torch.Tensor,
+                    mask: torch.Tensor | None, indptr: torch.Tensor | None) -> None:
+    """The batch metadata the kernel trusts (host reads; CPU tensors): every row owned by one sequence, q_len <=
+    seq_len, tables wide enough, tree slices of q_len * w entries with q_len <= w <= seq_len."""
+    seq_lens, cu_l = lens.tolist(), cu.tolist()
+    if len(cu_l) != len(seq_lens) + 1 or cu_l[0] != 0 or cu_l[-1] != num_tokens:
+        raise ValueError(f"cu_q_lens {cu_l} does not cover the {num_tokens} query rows of {len(seq_lens)} sequences")
+    if (mask is None) != (indptr is None):
+        raise ValueError("tree_mask and tree_mask_indptr go together")
+    ptr = indptr.tolist() if indptr is not None else None
+    for b, ctx in enumerate(seq_lens):
+        q_len = cu_l[b + 1] - cu_l[b]
+        if not 0 <= q_len <= ctx or -(-ctx // block_size) > tables.shape[1]:
+            raise ValueError(f"sequence {b}: {q_len} new tokens, context {ctx}, block table width {tables.shape[1]}")
+        if ptr is not None and ptr[b + 1] > ptr[b]:
+            size = ptr[b + 1] - ptr[b]
+            if q_len == 0 or size % q_len or not q_len <= size // q_len <= ctx or ptr[b + 1] > mask.numel():
+                raise ValueError(f"sequence {b}: a tree-mask slice of {size} entries for {q_len} rows, context {ctx}")
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:
@@ -87,7 +112,8 @@ def paged_attention_invariant(
     mask = indptr = None
     if tree_mask is not None:
         mask = tree_mask.to(torch.uint8).contiguous()
-        indptr = _i32(tree_mask_indptr)
+        indptr = _i32(tree_mask_indptr) if tree_mask_indptr is not None else None
+    _check_metadata(num_tokens, block_size, tables, lens, cu, mask, indptr)
     out = torch.empty_like(q)
     if num_tokens:
         rc = lib.specdec_paged_attention(

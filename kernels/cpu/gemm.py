@@ -99,6 +99,8 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: to
     kp = packed.shape[1] * 2
     if not k <= kp < k + CHUNK_K:
         raise ValueError(f"x has {k} features; the packed weight was made for {kp} (padded to a multiple of 32)")
+    if not 0 < out_features <= packed.shape[0] * TILE_N:
+        raise ValueError(f"out_features={out_features}, but the packed weight holds {packed.shape[0] * TILE_N} rows")
     y = torch.empty(m, out_features, dtype=out_dtype)
     if m == 0:
         return y
@@ -112,7 +114,7 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: to
         rc = amx.specdec_gemm_amx(x.data_ptr(), m, k, kp, packed.data_ptr(), bias_ptr, out_features, y.data_ptr(),
                                   int(out_dtype == torch.bfloat16), threads)
         if rc != 0:
-            raise MemoryError(f"gemm_amx: could not allocate a padded copy of {m} x {k} activations (rc {rc})")
+            raise MemoryError(f"gemm_amx: could not allocate a padded copy of {m} x {k} activations")
         return y
     lib = _avx512_bf16()
     if kp != k:

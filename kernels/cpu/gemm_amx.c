@@ -125,15 +125,11 @@ BLOCK(1, 1) BLOCK(1, 2) BLOCK(2, 1) BLOCK(2, 2)
 #undef BLOCK
 
 /* y [M, N] (fp32, or bf16 when y_bf16) = x [M, K] bf16 @ W^T (+ bias [N] fp32), W packed as above with kp the
- * padded K. x is copied into a zero-padded [Mp, Kp] buffer when M % 16 or K % 32 is not 0. Returns 0, -1 when that
- * buffer could not be allocated, -2 when the kernel refused AMX state to this process. */
+ * padded K. x is copied into a zero-padded [Mp, Kp] buffer when M % 16 or K % 32 is not 0. The process must have
+ * been granted AMX state (specdec_amx_init, called once by gemm.py). Returns 0, or -1 when that buffer could not be
+ * allocated. */
 int specdec_gemm_amx(const uint16_t *x, int64_t m_rows, int64_t k, int64_t kp, const uint16_t *wp, const float *bias,
                      int64_t n, void *y, int y_bf16, int nthreads) {
-    static int permitted = 0;
-    if (!permitted) {
-        if (specdec_amx_init() != 0) return -2;
-        permitted = 1;
-    }
     const int64_t tiles = (n + 15) / 16, pairs_of_tiles = (tiles + 1) / 2;
     const int64_t row_blocks = (m_rows + 15) / 16;
     uint16_t *padded = NULL;

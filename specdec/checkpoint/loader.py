@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 
@@ -28,6 +29,8 @@ HUB_FILES = [
     "tokenizer_config.json",
     "chat_template.jinja",  # recent checkpoints ship their chat template in its own file
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(model: str) -> str:
@@ -167,7 +170,13 @@ def load_model(
         model.load_weights(iter_weight_entries(path))
     if prepack_weights is False and batch_invariant is None:
         batch_invariant = False  # plain weights asked for (torch.compile, quantize_linears): no packed copy either
-    if batch_invariant_kernels.resolve(batch_invariant, dtype, torch.device(device)):
+    invariant = batch_invariant_kernels.resolve(batch_invariant, dtype, torch.device(device))
+    if invariant and (why := batch_invariant_kernels.unsupported_attention(model)) is not None:
+        if batch_invariant is True:
+            raise ValueError(f"batch_invariant=True: {why}")
+        logger.info("batch-invariant kernels off for this model: %s", why)
+        invariant = False
+    if invariant:
         batch_invariant_kernels.enable(model, release_weights=prepack_weights is not False)
     elif prepack_weights is not False and prepack_supported(dtype, torch.device(device)):
         prepack_linears(model, required=prepack_weights is True)

@@ -82,11 +82,17 @@ def serve(args: argparse.Namespace) -> int:
                          kv_cache_memory_gb=args.kv_cache_memory_gb, seed=args.seed,
                          enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
                          quantization_group_size=args.quantization_group_size,
-                         quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size)
+                         quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size,
+                         batch_invariant=_batch_invariant(args))
     if signals:  # stopped by a signal that did not surface as KeyboardInterrupt: exit as the shell expects
         print("\ninterrupted", file=sys.stderr)
         return 128 + signals[-1]
     return 0
+
+
+def _batch_invariant(args: argparse.Namespace) -> bool | None:
+    """``--batch-invariant auto | on | off`` as ``LLM(batch_invariant=None | True | False)``."""
+    return {"auto": None, "on": True, "off": False}[args.batch_invariant]
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -101,7 +107,7 @@ def generate(args: argparse.Namespace) -> int:
     llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative,
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
               quantization_group_size=args.quantization_group_size, quantize_lm_head=args.quantize_lm_head,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, batch_invariant=_batch_invariant(args))
     try:
         return _stream_one(llm, args, params)
     finally:

@@ -116,6 +116,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="as LLM(quantization_group_size=): default int8 per channel, int4 32")
     parser.add_argument("--quantize-lm-head", action="store_true", default=None,
                         help="as LLM(quantize_lm_head=True): quantise the LM head too, a tied one as its own copy")
+    parser.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"),
+                        help="as LLM(batch_invariant=None | True | False): specdec's row-invariant CPU kernels, so "
+                             "an answer does not depend on its batch or on speculation (auto: on for bf16 on CPUs "
+                             "with AMX); docs/guarantees.md")
     parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                         help="as LLM(tensor_parallel_size=): shard the model over N ranks (N - 1 spawned worker "
                              "processes, or torchrun's WORLD_SIZE ranks; gloo on CPU, NCCL on CUDA); "

@@ -13,6 +13,7 @@ from specdec.config.kv_pool_sizing import kv_pool_blocks
 from specdec.config.parallel import check_tensor_parallel_options
 from specdec.config.speculative import SpeculativeConfig
 from specdec.distributed.sharding import check_quantized_tensor_parallel, check_tensor_parallel
+from specdec.kernels.cpu.attention import supports_shape as invariant_attention_supports
 from specdec.model.batch_invariant import check_option as check_batch_invariant_option
 from specdec.model.config import ModelConfig, resolve_dtype
 from specdec.model.linear import check_prepack_option
@@ -101,6 +102,12 @@ class EngineConfig:
         torch_dtype = resolve_dtype(dtype, model_config, dev)
         check_prepack_option(prepack_weights, torch_dtype, dev)
         check_batch_invariant_option(batch_invariant, torch_dtype, dev)
+        heads = (model_config.num_attention_heads // tensor_parallel_size,
+                 model_config.num_key_value_heads // tensor_parallel_size)
+        if batch_invariant and not invariant_attention_supports(model_config.head_dim, *heads):
+            raise ValueError(f"batch_invariant=True: the row-invariant attention takes a head dim that is a multiple "
+                             f"of 16 up to 256 and at most 16 query heads per KV head; this model has head dim "
+                             f"{model_config.head_dim}, {heads[0]} query and {heads[1]} KV heads per rank")
         limit = model_config.max_position_embeddings
         if max_model_len is None:
             max_model_len = min(limit, 8192)

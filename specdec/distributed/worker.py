@@ -57,6 +57,7 @@ class ModelSpec:
     quantize_lm_head: bool | None = None
     gguf_path: str | None = None
     shares_embedding_of: int | None = None
+    batch_invariant: bool | None = None  # as load_model's (each rank's arithmetic; the all-reduce order is not covered)
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def load_shard_model(spec: ModelSpec, group: TPGroup, device: torch.device,
     model = load_model(spec.path, spec.dtype, device, spec.max_positions, spec.config, spec.prepack_weights,
                        spec.quantization, spec.quantization_group_size, spec.gguf_path,
                        owner.embed_tokens.weight if owner is not None else None, group=group,
-                       quantize_lm_head=spec.quantize_lm_head)
+                       quantize_lm_head=spec.quantize_lm_head, batch_invariant=spec.batch_invariant)
     if owner is not None and spec.config.tie_word_embeddings and not spec.quantize_lm_head:
         model.lm_head = owner.lm_head  # the tied head is the shared embedding's rows (and their packed copy)
     return model

@@ -46,7 +46,8 @@ def model_specs(config: EngineConfig, spec: SpeculativeConfig | None, draft_size
     ``ValueError`` if the draft cannot be."""
     models = [ModelSpec(config.model_path, config.model_config, config.dtype, config.max_model_len + 1,
                         config.num_kv_blocks, config.block_size, config.prepack_weights, config.quantization,
-                        config.quantization_group_size, config.quantize_lm_head, config.gguf_source)]
+                        config.quantization_group_size, config.quantize_lm_head, config.gguf_source,
+                        batch_invariant=config.batch_invariant)]
     if spec is not None and spec.uses_draft_model and draft_size > 1:
         models.append(_draft_spec(config, spec, draft_size))
     return models
@@ -67,4 +68,5 @@ def _draft_spec(config: EngineConfig, spec: SpeculativeConfig, size: int) -> Mod
     prepack = False if config.prepack_weights is False else None  # its dtype may not support prepacking
     return ModelSpec(path, draft_config, dtype, max_positions + 1, config.num_kv_blocks, config.block_size, prepack,
                      spec.draft_quantization, spec.draft_quantization_group_size, spec.draft_quantize_lm_head, gguf,
-                     shares_embedding_of=0 if is_self else None)
+                     shares_embedding_of=0 if is_self else None,
+                     batch_invariant=False if config.batch_invariant is False else None)  # its dtype may differ

@@ -47,6 +47,17 @@ def resolve(batch_invariant: bool | None, dtype: torch.dtype, device: torch.devi
     return batch_invariant is True or gemm.backend() == "amx"
 
 
+def unsupported_attention(model: nn.Module) -> str | None:
+    """Why the invariant attention cannot take ``model``'s head layout (None: it can)."""
+    for module in model.modules():
+        if hasattr(module, "batch_invariant") and hasattr(module, "head_dim"):
+            if not native_attention.supports_shape(module.head_dim, module.num_heads, module.num_kv_heads):
+                return (f"the row-invariant attention takes a head dim that is a multiple of 16 up to 256 and at most "
+                        f"16 query heads per KV head; this model has head dim {module.head_dim}, "
+                        f"{module.num_heads} query and {module.num_kv_heads} KV heads")
+    return None
+
+
 def enable(model: nn.Module, release_weights: bool = True) -> None:
     """Run ``model``'s bf16 ``Linear``s through the row-invariant GEMM and its attention layers through the
     row-invariant attention. ``release_weights``: each linear's plain weight is replaced by the packed one, except a

@@ -78,6 +78,9 @@ class Linear(nn.Linear):
         # it packed itself (graph constants, "freezing"), so our packed copy fails to compile; with
         # ``options={"freezing": True}`` Inductor packs F.linear's weight the same way (specdec/runner/cuda_graphs.py).
         if self.invariant_weight is not None and not dynamo_tracing():
+            if x.dtype != torch.bfloat16:
+                raise ValueError(f"this Linear runs the bf16 row-invariant GEMM; its input must be bfloat16, not "
+                                 f"{x.dtype}")
             x2 = x.reshape(-1, x.shape[-1])  # (M, in_features)
             out = gemm_bf16(x2, self.invariant_weight, self.out_features, self.bias, x.dtype)
             return out.view(*x.shape[:-1], self.out_features)
@@ -104,9 +107,15 @@ class Linear(nn.Linear):
             raise ValueError(f"prepack supports float32 and bfloat16 weights, not {weight.dtype}")
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
         self.packed_bf16 = weight.dtype == torch.bfloat16
+        self.invariant_weight = None  # the oneDNN copy replaces a row-invariant one
         if release_weight:
             self.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
             self.weight_released = True
+
+    @property
+    def packed_copy(self) -> torch.Tensor | None:
+        """The packed copy forward uses (the row-invariant GEMM's or oneDNN's), None without one."""
+        return self.invariant_weight if self.invariant_weight is not None else self.packed_weight
 
     def pack_invariant(self, release_weight: bool = False) -> None:
         """Run this bf16 linear through the row-invariant GEMM (``specdec.kernels.cpu.gemm``): each output row the

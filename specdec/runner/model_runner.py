@@ -64,6 +64,9 @@ class ModelRunner:
         if mode == "compile" and any(getattr(m, "weight_released", False) for m in self.model.modules()):
             raise ValueError("the static forward in mode 'compile' needs plain linear weights, and this model's were "
                              "released for their prepacked copies; load it with prepack_weights=False")
+        if mode == "compile" and any(getattr(m, "batch_invariant", False) for m in self.model.modules()):
+            raise ValueError("the static forward in mode 'compile' traces torch's linears and attention, not the "
+                             "batch-invariant CPU kernels: load the model with batch_invariant=False to compile it")
         bm = self.block_manager
         # a second call replaces the runner and keeps the scratch block (the engine makes the first one on CUDA)
         if self.scratch_block is None:

@@ -139,3 +139,31 @@ def test_the_check_catches_sdpa():
     q = torch.randn(5, HQ, D, generator=torch.Generator().manual_seed(2))
     window = attend(q, k, v, table, [150], [5], fn=paged_attention_reference)
     assert not torch.equal(window, decodes_of_window(q, k, v, table, 150, 5, fn=paged_attention_reference))
+
+
+def test_bad_metadata_is_refused_before_the_kernel_reads_it():
+    k, v = pool(8, torch.float32, 0)
+    q = torch.randn(5, HQ, D)
+    table = torch.arange(8, dtype=torch.int32)[None]
+    for lens, q_lens, tables, match in (
+        ([40], [4], table, "cover"),  # cu_q_lens ends at 4, q has 5 rows
+        ([3], [5], table, "new tokens"),  # more new tokens than context
+        ([40], [5], table[:, :2], "block table width"),  # a table too narrow for 40 keys
+    ):
+        cu = i32([0] + torch.tensor(q_lens).cumsum(0).tolist())
+        with pytest.raises(ValueError, match=match):
+            attention.paged_attention_invariant(q, k, v, tables, i32(lens), cu, 1.0)
+    with pytest.raises(ValueError, match="tree-mask slice"):  # a 5-row tree over 7 keys of a 6-key context
+        attention.paged_attention_invariant(q, k, v, table, i32([6]), i32([0, 5]), 1.0,
+                                            torch.ones(35, dtype=torch.bool), i32([0, 35]))
+
+
+def test_ops_refuses_rather_than_falls_back():
+    """``ops.paged_attention(invariant=True)`` with tensors the kernel cannot take is an error, never a silent
+    switch to the SDPA path (which would lose the guarantee)."""
+    from specdec import ops
+
+    k, v = pool(4, torch.float32, 0)
+    with pytest.raises(ValueError, match="row-invariant attention"):
+        ops.paged_attention(torch.zeros(1, HQ, 8), k[..., :8].contiguous(), v[..., :8].contiguous(), i32([[0]]),
+                            i32([1]), i32([0, 1]), 1.0, invariant=True)

@@ -222,3 +222,30 @@ def test_batch_invariant_option(tiny_pair):
         assert all(m.weight_released for m in linears) or not on  # the packed copy replaces the plain weight
     fp32 = small_llm(target, dtype="float32").engine.model  # float32: never (its linears run MKL)
     assert not any(m.invariant_weight is not None for m in fp32.modules() if isinstance(m, Linear))
+
+
+def test_batch_invariant_refuses_what_it_cannot_keep(tmp_path):
+    """A head layout the invariant attention cannot take: True is a ValueError naming it, None runs the old kernels;
+    the static forward in compile mode (which would trace torch's ops instead) is refused."""
+    from specdec.model import batch_invariant
+    from tests.tiny_models import make_tiny_model
+
+    if not batch_invariant.supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no AVX512_BF16 here")
+    path = str(tmp_path / "head_dim_8")
+    make_tiny_model(path, "llama", hidden_size=64, num_heads=8, num_kv_heads=2, with_tokenizer=False)  # head dim 8
+    with pytest.raises(ValueError, match="head dim 8"):
+        small_llm(path, dtype="bfloat16", batch_invariant=True)
+    model = small_llm(path, dtype="bfloat16").engine.model
+    assert not any(m.self_attn.batch_invariant for m in model.layers)
+    assert model.lm_head.invariant_weight is None  # the oneDNN copies, not half a mode
+
+
+def test_static_compile_is_refused_with_invariant_kernels(tiny_pair):
+    from specdec.model import batch_invariant
+
+    if not batch_invariant.supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no AVX512_BF16 here")
+    llm = small_llm(tiny_pair[0], dtype="bfloat16", batch_invariant=True, prepack_weights=False)
+    with pytest.raises(ValueError, match="batch_invariant=False to compile"):
+        llm.engine.runner.enable_static_forward("compile", (1,), 64, 2)

@@ -135,7 +135,8 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
     model = load_model(path, dtype, config.device, max_positions + 1, draft_config,
                        False if config.prepack_weights is False or subset is not None else None,
                        spec.draft_quantization, spec.draft_quantization_group_size, gguf_source, shared,
-                       quantize_lm_head=False if subset is not None else spec.draft_quantize_lm_head)
+                       quantize_lm_head=False if subset is not None else spec.draft_quantize_lm_head,
+                       batch_invariant=False if config.batch_invariant is False else None)  # its dtype may differ
     if subset is not None:
         _cut_head(model, subset, spec, draft_config, dtype, config)
     elif share and draft_config.tie_word_embeddings and not spec.draft_quantize_lm_head:
