@@ -387,6 +387,7 @@ def launch_plan(
     *,
     num_splits: int | None = None,
     interpret: bool | None = None,
+    invariant: bool = False,
 ) -> LaunchPlan:
     """Validate the inputs, allocate the output (and split workspace) and choose grid and configuration.
 
@@ -403,6 +404,13 @@ def launch_plan(
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=device)
 
     q_len_estimate = triton.cdiv(num_tokens, max(num_seqs, 1))
+    if invariant:
+        # Batch-invariant (issue 33): one tile configuration whatever the batch (the decode one, so the score tile's
+        # layout and each row's reduction order never change) and no KV split (a split's share of the keys, and the
+        # merge, would depend on the batch's widest table): a row's arithmetic depends on its own keys only.
+        if num_splits not in (None, 1):
+            raise ValueError(f"an invariant launch has no KV split, got num_splits={num_splits}")
+        q_len_estimate, num_splits = 1, 1
     cfg = attention_configs(head_dim, group, q_len_estimate, q.dtype)[0]
     block_q = cfg.constexprs["BLOCK_Q"]
     # Sequence b gets cu[b+1] // BLOCK_Q - cu[b] // BLOCK_Q + 1 >= cdiv(q_len, BLOCK_Q) tiles (spares exit).
@@ -485,6 +493,7 @@ def paged_attention(
     tree_mask_indptr: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Triton paged attention; same semantics as :func:`paged_attention_reference`.
 
@@ -507,6 +516,8 @@ def paged_attention(
             model's tree level also masking the tree nodes cached by earlier levels).
         num_splits: KV splits per (q tile, KV head) program, merged by a second kernel (flash-decoding);
             default from :func:`num_kv_splits`. A tuning/testing knob, not part of the attention contract.
+        invariant: one launch configuration for every batch and no KV split, so a row's output does not depend
+            on the other rows (``LLM(batch_invariant=True)``; slower where splits would have filled the GPU).
     Returns:
         ``[T, Hq, D]`` in q's dtype, from fp32 accumulation and an online softmax. A row that sees no key at all
         (a tree mask row without its diagonal and an empty prefix) is 0 here, NaN in the reference.
@@ -515,7 +526,7 @@ def paged_attention(
     too, because an out-of-range block id would crash the interpreter instead of raising.
     """
     plan = launch_plan(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr,
-                       num_splits=num_splits)  # fmt: skip
+                       num_splits=num_splits, invariant=invariant)  # fmt: skip
     if q.shape[0] == 0:
         return plan.out
     _paged_attention_kernel[plan.grid](
@@ -537,6 +548,7 @@ def paged_attention_uniform(
     scale: float,
     *,
     num_splits: int | None = None,
+    invariant: bool = False,
 ) -> torch.Tensor:
     """Triton paged attention for a uniform causal batch (every sequence has ``q_len`` new tokens), capturable in
     a CUDA graph: same semantics as :func:`paged_attention` with ``cu_q_lens = [0, q_len, 2 q_len, ...]``.
@@ -555,7 +567,8 @@ def paged_attention_uniform(
     if q.shape[0] != num_seqs * q_len:
         raise ValueError(f"a uniform batch of {num_seqs} sequences x q_len {q_len} needs {num_seqs * q_len} q rows, "
                          f"got {q.shape[0]}")
-    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, num_splits=num_splits)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, num_splits=num_splits,
+                           invariant=invariant)
 
 
 def _check_args(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr):

@@ -18,6 +18,7 @@ import torch
 from specdec.kernels import block_verify as _block_verify
 from specdec.kernels import inverse_cdf as _inverse_cdf
 from specdec.kernels import kv_compact as _kv_compact
+from specdec.kernels import matmul_invariant as _matmul_invariant
 from specdec.kernels import paged_attention as _attention
 from specdec.kernels import paged_attention_reference as _attention_reference
 from specdec.kernels import rms_norm as _rms_norm
@@ -116,8 +117,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Paged attention; see :func:`specdec.kernels.paged_attention.paged_attention_reference` for shapes.
 
-    ``invariant``: on CPU, the row-invariant native kernel (``specdec.kernels.cpu.attention``: each query row the same
-    bit for bit whatever the rest of the call) where it takes these tensors; ignored on GPUs and while tracing.
+    ``invariant``: each query row the same bits whatever the rest of the call - on CPU the native kernel
+    (``specdec.kernels.cpu.attention``; ``ValueError`` where it cannot take these tensors), on CUDA the Triton kernel
+    with one launch configuration and no KV split. Ignored while dynamo traces (the CPU kernel is opaque to it).
 
     ``uniform_q_len``: a Python int when every sequence has exactly that many new tokens and is causal (decode,
     draft step, chain verification window). Then the op runs its static-shape, host-read-free variant
@@ -138,11 +140,22 @@ def paged_attention(
             raise ValueError("uniform_q_len is for causal batches; a tree mask needs uniform_q_len=None")
         if use_triton(q):
             return _launcher(_attention, "paged_attention_uniform")(
-                q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, uniform_q_len, scale)
+                q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, uniform_q_len, scale, invariant=invariant)
         return _attention_reference.paged_attention_uniform_reference(
             q, k_cache, v_cache, block_tables, seq_lens, uniform_q_len, scale)
-    fn = _launcher(_attention, "paged_attention") if use_triton(q) else _attention.paged_attention_reference
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale, tree_mask, tree_mask_indptr)
+    if use_triton(q):
+        return _launcher(_attention, "paged_attention")(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
+                                                        tree_mask, tree_mask_indptr, invariant=invariant)
+    return _attention.paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, cu_q_lens, scale,
+                                                tree_mask, tree_mask_indptr)
+
+
+def matmul_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K]^T (+ bias)`` on CUDA with one launch configuration for every M (rows
+    independent of the call); see ``specdec.kernels.matmul_invariant``. CPU tensors: the fp32 reference."""
+    if use_triton(x):
+        return _launcher(_matmul_invariant, "matmul_invariant")(x, weight, bias)
+    return _matmul_invariant.matmul_invariant_reference(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

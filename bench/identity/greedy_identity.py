@@ -31,6 +31,7 @@ METHODS = {
     "draft_model_int4_self": dict(method="draft_model", draft_model="self", draft_quantization="int4",
                                   num_speculative_tokens=4),
     "prompt_lookup_tree": dict(method="prompt_lookup", num_speculative_tokens=4, tree=[2, 2, 1, 1]),
+    "draft_model": dict(method="draft_model", num_speculative_tokens=4),  # the draft given by --draft
 }
 
 
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--long", action="store_true", help="include the long-document prompts")
+    ap.add_argument("--draft", default=None, help="the draft of method draft_model (folder or smollm2 | qwen-0.5b)")
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,7 +92,10 @@ def main() -> None:
             alone = run(base, texts, args.max_tokens, 1)
             runs = {"plain": base}
             for name in args.methods:
-                runs[name] = LLM(path, speculative=SpeculativeConfig(**METHODS[name]), **common)
+                spec = dict(METHODS[name])
+                if name == "draft_model":
+                    spec["draft_model"] = resolve_model(args.draft)
+                runs[name] = LLM(path, speculative=SpeculativeConfig(**spec), **common)
             for name, llm in runs.items():
                 for batch in args.batch:
                     if name == "plain" and batch == 1:

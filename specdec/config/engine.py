@@ -104,7 +104,7 @@ class EngineConfig:
         check_batch_invariant_option(batch_invariant, torch_dtype, dev)
         heads = (model_config.num_attention_heads // tensor_parallel_size,
                  model_config.num_key_value_heads // tensor_parallel_size)
-        if batch_invariant and not invariant_attention_supports(model_config.head_dim, *heads):
+        if batch_invariant and dev.type == "cpu" and not invariant_attention_supports(model_config.head_dim, *heads):
             raise ValueError(f"batch_invariant=True: the row-invariant attention takes a head dim that is a multiple "
                              f"of 16 up to 256 and at most 16 query heads per KV head; this model has head dim "
                              f"{model_config.head_dim}, {heads[0]} query and {heads[1]} KV heads per rank")

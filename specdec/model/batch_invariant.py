@@ -18,15 +18,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.kernels._triton import HAS_TRITON
 from specdec.kernels.cpu import attention as native_attention
 from specdec.kernels.cpu import gemm
 from specdec.model.linear import Linear
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """True where the invariant kernels can run: a CPU with AVX512_BF16 and a bfloat16 model."""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and gemm.available()
-            and native_attention.available())
+    """True where the invariant kernels can run: a CPU with AVX512_BF16 and a bfloat16 model; a CUDA device with
+    Triton (fp32 / fp16 / bf16)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return dtype in (torch.float32, torch.float16, torch.bfloat16) and HAS_TRITON
+    return device.type == "cpu" and dtype == torch.bfloat16 and gemm.available() and native_attention.available()
 
 
 def check_option(batch_invariant: object, dtype: torch.dtype, device: torch.device) -> None:
@@ -36,19 +40,25 @@ def check_option(batch_invariant: object, dtype: torch.dtype, device: torch.devi
                          f"{batch_invariant!r}")
     if batch_invariant and not supported(dtype, torch.device(device)):
         raise ValueError(f"batch_invariant=True needs a bfloat16 model on a CPU with AVX512_BF16 and a C compiler "
-                         f"(specdec's row-invariant kernels); got {dtype} on {torch.device(device).type} "
-                         f"(GPUs have no invariant mode yet; float32 linears run MKL)")
+                         f"(specdec's row-invariant kernels), or a CUDA device with Triton; got {dtype} on "
+                         f"{torch.device(device).type} (float32 CPU linears run MKL)")
 
 
 def resolve(batch_invariant: bool | None, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the invariant kernels run for this option, dtype and device (None: where AMX runs the GEMM)."""
+    """Whether the invariant kernels run for this option, dtype and device (None: on CPUs where AMX runs the GEMM;
+    never on GPUs, where their cost is unmeasured)."""
     if batch_invariant is False or not supported(dtype, torch.device(device)):
         return False
+    if torch.device(device).type == "cuda":
+        return batch_invariant is True
     return batch_invariant is True or gemm.backend() == "amx"
 
 
 def unsupported_attention(model: nn.Module) -> str | None:
-    """Why the invariant attention cannot take ``model``'s head layout (None: it can)."""
+    """Why the invariant attention cannot take ``model``'s head layout (None: it can; the CUDA kernel takes every
+    layout the model does)."""
+    if any(p.is_cuda for p in model.parameters()):
+        return None
     for module in model.modules():
         if hasattr(module, "batch_invariant") and hasattr(module, "head_dim"):
             if not native_attention.supports_shape(module.head_dim, module.num_heads, module.num_kv_heads):
@@ -66,8 +76,11 @@ def enable(model: nn.Module, release_weights: bool = True) -> None:
     for module in model.modules():
         for param in module.parameters(recurse=False):
             holders[id(param)] = holders.get(id(param), 0) + 1
+    on_gpu = any(p.is_cuda for p in model.parameters())
     for module in model.modules():
-        if isinstance(module, Linear) and not module.weight_released and module.weight.dtype == torch.bfloat16:
+        if isinstance(module, Linear) and on_gpu:
+            module.invariant_cuda = True  # the Triton GEMM with one configuration for every row count
+        elif isinstance(module, Linear) and not module.weight_released and module.weight.dtype == torch.bfloat16:
             module.pack_invariant(release_weight=release_weights and holders.get(id(module.weight), 0) <= 1)
         if hasattr(module, "batch_invariant"):
             module.batch_invariant = True

@@ -43,6 +43,7 @@ import logging
 import torch
 from torch import nn
 
+from specdec import ops
 from specdec.kernels.cpu.gemm import gemm_bf16, pack_bf16
 from specdec.memory import available_memory_bytes
 
@@ -70,6 +71,7 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None  # oneDNN-layout copy of ``weight``, set by ``prepack()``
     invariant_weight: torch.Tensor | None = None  # row-invariant GEMM's copy (``pack_invariant()``): used first
+    invariant_cuda: bool = False  # CUDA: the Triton GEMM with one configuration for every row count
     packed_bf16: bool = False  # the packed copy is bfloat16: use it for every row count
     weight_released: bool = False  # ``weight`` is a meta tensor: the packed copy is the only one
 
@@ -77,6 +79,9 @@ class Linear(nn.Linear):
         # NOTE: under torch.compile the plain F.linear: Inductor lowers mkldnn._linear_pointwise only for weights
         # it packed itself (graph constants, "freezing"), so our packed copy fails to compile; with
         # ``options={"freezing": True}`` Inductor packs F.linear's weight the same way (specdec/runner/cuda_graphs.py).
+        if self.invariant_cuda and x.is_cuda:
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()  # (M, in_features)
+            return ops.matmul_invariant(x2, self.weight, self.bias).view(*x.shape[:-1], self.out_features)
         if self.invariant_weight is not None and not dynamo_tracing():
             if x.dtype != torch.bfloat16:
                 raise ValueError(f"this Linear runs the bf16 row-invariant GEMM; its input must be bfloat16, not "
