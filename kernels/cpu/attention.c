@@ -11,7 +11,8 @@
  *   s[j] = sum16(q * k_j) * scale, where the dot is: acc16 = 0; for each 16-wide chunk d of the head
  *          dimension in order, acc16 = fma(q[d], k_j[d], acc16); then sum16 = _mm512_reduce_add_ps(acc16) (one fixed
  *          tree of additions);
- *   m = max_j s[j];  l = 0, o = 0;  for j in order: p = expf(s[j] - m); l = l + p; o = fma(p, v_j, o)  (per lane)
+ *   m = max_j s[j];  p[j] = exp16(s[j] - m) (below: one polynomial, the same operations in every lane);
+ *   l = 0, o = 0;  for j in order: l = l + p[j]; o = fma(p[j], v_j, o)  (per lane of the head dimension)
  *   out = o / l, rounded once to the output dtype.
  * q, k and v are read as bf16 or fp32 and widened to fp32 (exact). Nothing depends on how many rows, heads or
  * sequences share the call, or on which thread computes the row. Tree rows see exactly the keys their ancestors'
@@ -40,6 +41,28 @@ static inline __m256i to_bf16(__m512 v) {
     __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
     return _mm512_cvtepi32_epi16(r);
+}
+
+/* exp(x) for x <= 0, 16 lanes, each lane by the same operations (so a score's p does not depend on its lane):
+ * x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (ln2 in two parts), exp(r) by its degree-6 Taylor
+ * polynomial (Horner, fused multiply-adds; relative error below 2e-7), times 2^n by vscalefps (exact, gradual
+ * underflow to 0). Inputs below -104 give 0. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-104.0f);
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.0f / 720.0f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(y, n));
 }
 
 /* The cache slots row t of sequence b sees, in position order; returns how many. */
@@ -117,12 +140,20 @@ int specdec_paged_attention(const void *q, int64_t num_tokens, int64_t hq, int64
                 l[h] = 0.0f;
                 for (int64_t c = 0; c < chunks; c++) o[h][c] = _mm512_setzero_ps();
             }
+            for (int64_t h = 0; h < group; h++) { /* scores -> probabilities, in place, 16 at a time */
+                const __m512 mv = _mm512_set1_ps(m[h]);
+                for (int64_t j = 0; j < n; j += 16) {
+                    const __mmask16 lanes = n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+                    float *s = scores + h * n + j;
+                    _mm512_mask_storeu_ps(s, lanes, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s), mv)));
+                }
+            }
             for (int64_t j = 0; j < n; j++) {
                 const int64_t at = (slots[j] * hkv + g) * d;
                 __m512 vv[MAX_HEAD_DIM / 16];
                 for (int64_t c = 0; c < chunks; c++) vv[c] = load16(v_cache, cache_bf16, at + 16 * c);
                 for (int64_t h = 0; h < group; h++) {
-                    const float p = expf(scores[h * n + j] - m[h]);
+                    const float p = scores[h * n + j];
                     l[h] = l[h] + p;
                     const __m512 pv = _mm512_set1_ps(p);
                     for (int64_t c = 0; c < chunks; c++) o[h][c] = _mm512_fmadd_ps(pv, vv[c], o[h][c]);
