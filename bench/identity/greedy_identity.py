@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--precisions", nargs="+", default=["bf16", "int8", "int4"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="default: every method but draft_model, which needs --draft (and is added with it)")
     ap.add_argument("--invariant", nargs="+", default=["on", "off"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -78,6 +79,10 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.methods is None:
+        args.methods = [m for m in METHODS if m != "draft_model" or args.draft]
+    if "draft_model" in args.methods and not args.draft:
+        raise SystemExit("method draft_model needs --draft")
     path = resolve_model(args.model)
     results = []
     for invariant in args.invariant:
