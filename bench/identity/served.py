@@ -17,7 +17,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench.serving.load import SHARED_QUESTIONS, SHARED_SYSTEM, _free_port
+from bench.common import resolve_model
+from bench.serving.load import SHARED_QUESTIONS, SHARED_SYSTEM, _free_port, start_server
 
 CONFIGS = {
     "plain": [],
@@ -27,31 +28,6 @@ CONFIGS = {
                                     "--batch-invariant", "off"],
     "ngram_table": ["--speculative-method", "ngram_table", "--num-speculative-tokens", "4"],
 }
-
-
-def start(model_flags: list[str], config: list[str], port: int, threads: int, log: Path):
-    import os
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    cmd = [sys.executable, "-m", "specdec", "serve", *model_flags, "--served-model-name", "bench", "--port",
-           str(port), "--threads", str(threads), *config]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
-    deadline = time.monotonic() + 300
-    while True:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); see {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return proc
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit("the server did not come up in 300 s") from None
-            time.sleep(0.2)
 
 
 async def ask(client, question: str, max_tokens: int) -> str:
@@ -79,12 +55,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out")
     args = ap.parse_args()
-    model_flags = ["--dtype", args.dtype] if args.dtype else []
+    model = resolve_model("smollm2")
+    dtype_flags = ["--dtype", args.dtype or "auto"]  # after start_server's own --dtype: argparse keeps the last
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.configs:
             port = _free_port()
-            proc = start(model_flags, CONFIGS[name], port, args.threads, Path(tmp) / f"{name}.log")
+            proc = start_server(model, CONFIGS[name] + dtype_flags, port, args.threads, 2048, Path(tmp) / f"{name}.log")
             try:
                 results[name] = asyncio.run(compare(f"http://127.0.0.1:{port}", args.max_tokens))
             finally:

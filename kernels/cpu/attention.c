@@ -18,6 +18,7 @@
  * sequences share the call, or on which thread computes the row. Tree rows see exactly the keys their ancestors'
  * decodes saw, in the same order, so a tree window's row equals the decode of that path.
  */
+#include "bf16.h"
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -26,22 +27,6 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
-
-static inline __m512 load16(const void *base, int bf16, int64_t at) {
-    if (bf16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at))), 16));
-    return _mm512_loadu_ps((const float *)base + at);
-}
-
-static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 /* exp(x) for x <= 0, 16 lanes, each lane by the same operations (so a score's p does not depend on its lane):
  * x = n ln2 + r with n = round(x / ln2) and |r| <= ln2 / 2 (ln2 in two parts), exp(r) by its degree-6 Taylor

@@ -28,7 +28,7 @@ MAX_GROUP = 16
 def _library() -> ctypes.CDLL | None:
     if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         return None
-    lib = build_library("specdec_attention", [SOURCE], [], CFLAGS,
+    lib = build_library("specdec_attention", [SOURCE], [SOURCE.with_name("bf16.h")], CFLAGS,
                         "CPU attention uses torch's SDPA, whose rounding changes with the window's shape")
     if lib is None:
         return None

@@ -38,7 +38,8 @@ _LOST = "bf16 linears use oneDNN, whose rounding changes with the number of rows
 def _amx() -> ctypes.CDLL | None:
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"} <= cpu_flags():
         return None
-    lib = build_library("specdec_gemm_amx", [HERE / "gemm_amx.c"], [], COMMON_FLAGS + ["-mamx-tile", "-mamx-bf16"],
+    lib = build_library("specdec_gemm_amx", [HERE / "gemm_amx.c"], [HERE / "bf16.h"],
+                        COMMON_FLAGS + ["-mamx-tile", "-mamx-bf16"],
                         _LOST)
     if lib is None:
         return None
@@ -52,7 +53,7 @@ def _amx() -> ctypes.CDLL | None:
 def _avx512_bf16() -> ctypes.CDLL | None:
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
         return None
-    lib = build_library("specdec_gemm_bf16", [HERE / "gemm_bf16.c"], [], COMMON_FLAGS, _LOST)
+    lib = build_library("specdec_gemm_bf16", [HERE / "gemm_bf16.c"], [HERE / "bf16.h"], COMMON_FLAGS, _LOST)
     if lib is None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64

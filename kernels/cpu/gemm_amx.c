@@ -18,6 +18,7 @@
  * padding rows are computed and thrown away; they do not touch the real rows' sums.
  * Blocking: 2 x 2 accumulator tiles (32 rows x 32 outputs), A tiles tmm4-5, B tiles tmm6-7.
  */
+#include "bf16.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,15 +50,6 @@ static void configure(void) {
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
-}
-
-static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
 }
 
 /* rows [m0, m0 + rows) of the fp32 block c (16 x 16, stride 16) -> y columns [col, col + 16) (masked at n) */

@@ -22,6 +22,7 @@
  * to the 16 lanes by vdpbf16ps's embedded {1to16}. Up to ROWS rows share one pass over a tile (their accumulators
  * in registers), so a window reads each weight once; the weight stream is prefetched as in w8a8.c.
  */
+#include "bf16.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -37,16 +38,6 @@ typedef int32_t int32_a __attribute__((may_alias, aligned(2)));
 static inline __m512 dpbf16_bcst(__m512 acc, __m512i w, const int32_a *x) {
     __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
     return acc;
-}
-
-/* fp32 -> bf16, round to nearest even (NaN stays a quiet NaN), as torch does */
-static inline __m256i to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-    return _mm512_cvtepi32_epi16(r);
 }
 
 static inline __attribute__((always_inline)) void tile_rows(const int R, int64_t t, int64_t m0, int64_t k,
