@@ -14,7 +14,7 @@ import json
 import os
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
-from specdec.config import TREE_POLICIES, VERIFY_METHODS, parse_tree, speculative_config_from_dict
+from specdec.config import RECYCLE_SCOPES, TREE_POLICIES, VERIFY_METHODS, parse_tree, speculative_config_from_dict
 from specdec.training import command as train_command
 from specdec.training import vocab_command
 
@@ -178,7 +178,8 @@ def _convert_parser(conv: argparse.ArgumentParser) -> None:
 def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--speculative-method", default=None,
-                       help="draft_model | ngram_table | prompt_lookup | combined | eagle3 (default: plain decoding)")
+                       help="draft_model | ngram_table | prompt_lookup | recycle | combined | eagle3 (default: plain "
+                            "decoding)")
     group.add_argument("--draft-model", default=None,
                        help="draft model for draft_model / combined ('self': the target's checkpoint again); the "
                             "EAGLE-3 head for eagle3")
@@ -212,6 +213,9 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tree-policy", choices=TREE_POLICIES, default=None,
                        help="measured: tree or chain per round by measured cost (a tree only where it pays); always: "
                             f"a tree every round (default: {_speculative_default('tree_policy')})")
+    group.add_argument("--recycle-scope", choices=RECYCLE_SCOPES, default=None,
+                       help="method recycle: one candidate matrix for the engine's requests, or one per request "
+                            f"(default: {_speculative_default('recycle_scope')})")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="vLLM's speculative config as JSON, read with vLLM's meanings (its 'ngram' is our "
                             "prompt_lookup; specdec/config/vllm_compat.py), e.g. "
@@ -232,12 +236,12 @@ _SPECULATIVE_OPTIONS = (
     ("--draft-tensor-parallel-size", "draft_tensor_parallel_size"), ("--draft-vocab", "draft_vocab"),
     ("--draft-vocab-size", "draft_vocab_size"), ("--num-speculative-tokens", "num_speculative_tokens"),
     ("--adaptive", "adaptive"), ("--verify", "verify"), ("--tree", "tree"), ("--tree-budget", "tree_budget"),
-    ("--tree-policy", "tree_policy"),
+    ("--tree-policy", "tree_policy"), ("--recycle-scope", "recycle_scope"),
 )
 _DRAFT_METHODS = "draft_model or combined"
 _NEEDS = {"--draft-model": "draft_model, combined or eagle3", "--draft-quantization": _DRAFT_METHODS,
           "--draft-quantize-lm-head": _DRAFT_METHODS, "--draft-tensor-parallel-size": _DRAFT_METHODS,
-          "--draft-vocab": _DRAFT_METHODS, "--draft-vocab-size": _DRAFT_METHODS}
+          "--draft-vocab": _DRAFT_METHODS, "--draft-vocab-size": _DRAFT_METHODS, "--recycle-scope": "recycle"}
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:

@@ -8,6 +8,7 @@ from specdec.config.parallel import check_draft_tensor_parallel, check_tensor_pa
 from specdec.config.speculative import (
     DRAFT_VOCAB_SUFFIXES,
     MODEL_FREE_LOOKUPS,
+    RECYCLE_SCOPES,
     RENAMED_METHODS,
     SPECULATIVE_METHODS,
     TREE_POLICIES,
@@ -19,7 +20,8 @@ from specdec.config.tree_shape import parse_tree, tree_size
 from specdec.config.vllm_compat import speculative_config_from_dict
 
 __all__ = [
-    "DEVICES", "DRAFT_VOCAB_SUFFIXES", "MODEL_FREE_LOOKUPS", "RENAMED_METHODS", "SPECULATIVE_METHODS", "TREE_POLICIES",
+    "DEVICES", "DRAFT_VOCAB_SUFFIXES", "MODEL_FREE_LOOKUPS", "RECYCLE_SCOPES", "RENAMED_METHODS", "SPECULATIVE_METHODS",
+    "TREE_POLICIES",
     "VERIFY_METHODS", "EngineConfig", "SpeculativeConfig", "check_draft_tensor_parallel", "check_draft_vocab_path",
     "check_tensor_parallel_options", "draft_model_dtype", "eos_ids", "gguf_source_of", "kv_pool_blocks",
     "kv_pool_room", "parse_tree", "speculative_config_from_dict", "tree_size",

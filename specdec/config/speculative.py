@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from specdec.config.tree_shape import tree_size
 from specdec.model.quant.linear import check_quantization, check_quantize_lm_head
 
-SPECULATIVE_METHODS = ("draft_model", "ngram_table", "prompt_lookup", "combined", "eagle3")
+SPECULATIVE_METHODS = ("draft_model", "ngram_table", "prompt_lookup", "recycle", "combined", "eagle3")
+RECYCLE_SCOPES = ("engine", "request")
 MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram_table")
 # old name -> new name; the old one still runs, with a DeprecationWarning (vLLM's "ngram" is our "prompt_lookup",
 # so a copied vLLM config would otherwise run the other drafter without a word)
@@ -40,9 +41,10 @@ class SpeculativeConfig:
         method: "draft_model" (a smaller model of the same tokenizer drafts), "ngram_table" (frequency tables of
             the request's own tokens; "ngram" is its deprecated name, stored as "ngram_table" with a warning),
             "prompt_lookup" (copy what followed the latest earlier match of the text's suffix; vLLM calls this
-            "ngram"), "combined" (a model-free match when there is one, else the draft
-            model), or "eagle3" (an EAGLE-3 head drafts from the target's own hidden states; docs/architecture.md,
-            "EAGLE-3 heads").
+            "ngram"), "recycle" (a tree of the target's own top-k candidates kept per token id from earlier
+            forwards - Token Recycling; it drafts trees: ``tree=None`` means "dynamic" for it),
+            "combined" (a model-free match when there is one, else the draft model), or "eagle3" (an EAGLE-3 head
+            drafts from the target's own hidden states; docs/architecture.md, "EAGLE-3 heads").
         draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined"); "self": the
             target's own checkpoint loaded again as the draft (with ``draft_quantization``: a quantised copy of the
             target), sharing the target's tokenizer and embedding tensor; or the EAGLE-3 head's folder / hub id in
@@ -86,6 +88,9 @@ class SpeculativeConfig:
             (docs/tensor_parallel.md). Quantised drafts and ``draft_model="self"`` shard too: each rank's self
             draft shares that rank's target embedding shard; a self draft on rank 0 only loads the full embedding
             there (it cannot share a shard).
+        recycle_scope: method "recycle": "engine" - one candidate matrix for every request of the engine (what one
+            request's forwards ranked drafts another's; outputs never depend on it, speed does), or "request" - a
+            matrix per request, forgotten when it finishes.
     """
 
     method: str = "draft_model"
@@ -112,6 +117,7 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None
     draft_vocab: str | None = None
     draft_vocab_size: int | None = None
+    recycle_scope: str = "engine"
 
     def __post_init__(self) -> None:
         self.method = _renamed("method", self.method)
@@ -152,6 +158,12 @@ class SpeculativeConfig:
                              f"tensor_parallel_size, got {dtp!r}")
         if self.verify not in VERIFY_METHODS:
             raise ValueError(f"verify {self.verify!r} is not supported; supported: {VERIFY_METHODS}")
+        if self.recycle_scope not in RECYCLE_SCOPES:
+            raise ValueError(f"recycle_scope {self.recycle_scope!r} is not supported; supported: {RECYCLE_SCOPES}")
+        if self.recycle_scope != "engine" and self.method != "recycle":
+            raise ValueError(f"recycle_scope is for method 'recycle', not {self.method!r}")
+        if self.method == "recycle" and self.tree is None:
+            self.tree = "dynamic"  # recycled candidates draft trees (tree_budget nodes, tree_max_branch per node)
         self._check_draft_vocab()
         self._check_tree()
 

@@ -7,6 +7,7 @@ never draft. The calls a speculative step makes (docs/architecture.md, "One step
     round.window / plain_item     -> ForwardItems        one per request: a verification window or a plain chunk
     round.place                   -> input ids           the round's metadata, once the forward is laid out
     ModelRunner.forward           -> logits [R, V]       (timed by the policy for adaptive k)
+    (top-k of every row)                                 method "recycle" only: its candidates, read with the step
     mask_step_logits                                     structured outputs: each row masked by its grammar
     sample_plain / round.verify                          queued on the device, registered in the step's StepOutput
     StepOutput.read                                      the step's one host read
@@ -82,10 +83,13 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, speculator: Specula
         forward = timed.target(len(items), input_starts[-1], tree) if timed else contextlib.nullcontext()
         with forward:
             logits, aux_hidden = _target_forward(runner, speculator, items, input_ids)  # fp32 [R, V]
+        out = StepOutput()
+        width = speculator.proposer.candidate_width if speculator is not None else None
+        # recycled candidates: the top-W ids of every row, before any grammar mask, read with the step
+        candidates = out.add(torch.topk(logits, width, dim=-1).indices.flatten()) if width else None
         if any(seq.grammar is not None for seq in batch.seqs):  # structured outputs: p is the constrained one
             mask_step_logits(logits, batch.seqs, items, logits_starts, spec_round)
 
-        out = StepOutput()
         plain = [i for i, item in enumerate(items) if item.num_logits and batch.seqs[i].seq_id not in verifying]
         plain_rows = None
         if plain:
@@ -102,6 +106,8 @@ def compute_step(batch: ScheduledBatch, runner: ModelRunner, speculator: Specula
             spec_round.read()
         if aux_hidden is not None:
             _hand_over_hidden_states(speculator, batch, input_starts, spec_round, aux_hidden)
+        if candidates is not None:
+            _hand_over_candidates(speculator, batch.seqs, items, out.get(candidates))
 
     updates = [_update(seq, n, spec_round, sampled) for seq, n in zip(batch.seqs, batch.num_new_tokens)]
     if any(seq.params.logprobs is not None for seq in batch.seqs):
@@ -143,6 +149,19 @@ def _hand_over_hidden_states(speculator: Speculator, batch: ScheduledBatch, inpu
         counts.append(len(kept))
     hidden = aux.index_select(0, to_device(rows, torch.int64, aux.device))
     speculator.proposer.take_hidden_states(seq_ids, starts, counts, hidden)
+
+
+def _hand_over_candidates(speculator: Speculator, seqs: list[Sequence], items: list[ForwardItem],
+                          flat: list[int]) -> None:
+    """The top-W ids of every logits row (``flat``: ``[R * W]``, row-major) to the proposer, with the request and
+    the input token of each row: an item's rows are its last ``num_logits`` tokens (a window: every row)."""
+    seq_ids, tokens = [], []
+    for seq, item in zip(seqs, items):
+        if item.num_logits:
+            seq_ids += [seq.seq_id] * item.num_logits
+            tokens += item.token_ids[len(item.token_ids) - item.num_logits:]
+    width = speculator.proposer.candidate_width
+    speculator.proposer.take_candidates(seq_ids, tokens, [flat[i * width:(i + 1) * width] for i in range(len(tokens))])
 
 
 def _update(seq: Sequence, num_new: int, spec_round: SpeculativeRound | None,

@@ -7,7 +7,7 @@ drafts were accepted (the drafter really drafted), that rounds were also rejecte
 the rollback path ran), and that every block pool is whole afterwards; a case may add its own checks.
 
 Axes: the draft model at k = 1..8, block verification, static and dynamic draft-model trees, prompt lookup and the
-n-gram table (chains and trees), combined drafting, adaptive k, EAGLE-3 heads (chains, trees, a smaller head
+n-gram table (chains and trees), recycled candidates (trees, chains, per-request matrices), combined drafting, adaptive k, EAGLE-3 heads (chains, trees, a smaller head
 vocabulary, block verification, adaptive k), reduced draft vocabularies (``draft_vocab=``), quantised targets and
 quantised self drafts, greedy requests with penalties, structured outputs (a regex and a JSON schema: chains, block
 verification, trees, model-free drafters, EAGLE-3), batch 1 and 4, and steps that mix prefill chunks, plain rows and
@@ -173,6 +173,16 @@ CASES = [
       for m in ("ngram_table", "prompt_lookup") for b in (1, 4)],
     *[Case(f"{m}-tree-{'dynamic' if s == 'dynamic' else 'static'}", model_free(m, tree=s, tree_policy="always"),
            prompts="repetitive") for m in ("prompt_lookup", "ngram_table") for s in ([3, 2, 1, 1], "dynamic")],
+    # recycled candidates (the target's own top-k per token id): trees, chains (a batch above tree_max_batch_size),
+    # the measured tree/chain choice, a matrix per request, prefill chunks sharing steps with rounds
+    *[Case(f"recycle-tree-b{b}", model_free("recycle", tree_policy="always", tree_budget=10), batch=b,
+           prompts="repetitive") for b in (1, 4)],
+    Case("recycle-chain-b4", model_free("recycle", tree_max_batch_size=1), prompts="repetitive"),
+    Case("recycle-measured-b4", model_free("recycle"), prompts="repetitive"),
+    Case("recycle-request_scope-b4", model_free("recycle", tree_policy="always", recycle_scope="request"),
+         prompts="repetitive"),
+    Case("recycle-mixed_steps", model_free("recycle", tree_policy="always"), batch=5, prompts="mixed",
+         llm={"max_num_batched_tokens": 24}, rejects=False),
     # combined: prompt lookup where it matches, the draft model (or the n-gram table) elsewhere
     *[Case(f"combined-b{b}", draft(3, method="combined"), batch=b, prompts="repetitive", check=rolls_back_blocks)
       for b in (1, 4)],
@@ -204,6 +214,7 @@ CASES = [
           ("tree-static", tree([2, 2, 1]), "pair", True), ("tree-dynamic", tree("dynamic"), "pair", True),
           ("prompt_lookup", model_free("prompt_lookup", prompt_lookup_min=1), "pair", False),
           ("ngram_table-tree", model_free("ngram_table", tree=[3, 2, 1], tree_policy="always"), "pair", True),
+          ("recycle", model_free("recycle", tree_policy="always"), "pair", True),
           ("eagle3-chain", eagle(), "eagle", False), ("eagle3-tree", eagle(tree=[2, 2, 1]), "eagle", False),
           # a reduced draft vocabulary meeting a grammar: q masked over the subset's columns (all-masked rows included)
           ("draft_vocab", reduced(), "pair", True))],
@@ -225,7 +236,7 @@ BF16_CASES = [
     for c in CASES if c.id in (
         "draft_model-k3-b4", "draft_model-mixed_steps", "block_verify-b1", "tree-2211-b1", "tree-dynamic-b4",
         "prompt_lookup-b1", "prompt_lookup-b4", "ngram_table-b4", "ngram_table-tree-static", "eagle3-chain-b4",
-        "eagle3-tree-dynamic-b1", "eagle3-mixed_steps-tree")
+        "eagle3-tree-dynamic-b1", "eagle3-mixed_steps-tree", "recycle-tree-b4", "recycle-chain-b4")
     if q is None or c.target == "pair"
 ]
 CASES += BF16_CASES

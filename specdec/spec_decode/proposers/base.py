@@ -91,6 +91,9 @@ class Proposer(Protocol):
     draft_model: DraftModel | None
     # the target layers whose hidden states it reads (the target forward then captures them), or None: none
     aux_hidden_layers: tuple[int, ...] | None
+    # how many of the target's top ids per logits row it reads (``take_candidates``), or None: none - the step then
+    # computes no top-k
+    candidate_width: int | None
 
     def propose(self, requests: list[RequestView], num_tokens: list[int]) -> DraftProposal:
         """Draft up to ``num_tokens[i]`` tokens after the last token of ``requests[i]`` (0: none for it)."""
@@ -106,6 +109,12 @@ class Proposer(Protocol):
         """The target's hidden states ``[sum(counts), len(aux_hidden_layers) * H]`` of the tokens each request keeps
         after this step: ``counts[i]`` of request ``seq_ids[i]`` from position ``starts[i]`` on, request-major
         (beyond the committed KV until the commit: ``discard`` drops them). Called only if ``aux_hidden_layers``."""
+        ...
+
+    def take_candidates(self, seq_ids: list[int], tokens: list[int], candidates: list[list[int]]) -> None:
+        """Every logits row of the step, after its host read: row i was computed for request ``seq_ids[i]`` with
+        input token ``tokens[i]``, and ``candidates[i]`` are the target's top ``candidate_width`` ids of that row
+        (unconstrained logits, best first). Called only if ``candidate_width``."""
         ...
 
     def move_accepted_path(self, request: RequestView, accepted_nodes: list[int]) -> None:
@@ -136,6 +145,7 @@ class ModelFreeProposer:
     max_positions: int | None = None
     draft_model = None
     aux_hidden_layers = None
+    candidate_width: int | None = None
 
     @property
     def block_managers(self) -> list[BlockManager]:
@@ -144,6 +154,9 @@ class ModelFreeProposer:
     def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
                            hidden: torch.Tensor) -> None:
         pass  # never called (``aux_hidden_layers`` is None)
+
+    def take_candidates(self, seq_ids: list[int], tokens: list[int], candidates: list[list[int]]) -> None:
+        pass  # never called (``candidate_width`` is None) unless a subclass reads candidates
 
     def move_accepted_path(self, request: RequestView, accepted_nodes: list[int]) -> None:
         pass

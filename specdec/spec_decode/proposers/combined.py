@@ -113,6 +113,10 @@ class CombinedProposer:
         return DraftProposal([list(t.token_ids[1:]) for t in trees], probs, is_onehot, forwards, trees)
 
     aux_hidden_layers = None  # neither part reads the target's hidden states
+    candidate_width = None  # it reads none of the target's top-k ids
+
+    def take_candidates(self, seq_ids: list[int], tokens: list[int], candidates: list[list[int]]) -> None:
+        pass  # never called (``candidate_width`` is None)
 
     def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
                            hidden: torch.Tensor) -> None:

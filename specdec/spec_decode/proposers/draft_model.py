@@ -104,6 +104,10 @@ class DraftModelProposer:
         return self
 
     aux_hidden_layers = None  # it reads none of the target's hidden states
+    candidate_width = None  # it reads none of the target's top-k ids
+
+    def take_candidates(self, seq_ids: list[int], tokens: list[int], candidates: list[list[int]]) -> None:
+        pass  # never called (``candidate_width`` is None)
 
     def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],
                            hidden: torch.Tensor) -> None:

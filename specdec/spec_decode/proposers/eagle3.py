@@ -86,6 +86,10 @@ class Eagle3Proposer:
         return [self.block_manager]
 
     draft_model = None  # a head, not a draft model (``Proposer.draft_model``)
+    candidate_width = None  # it reads none of the target's top-k ids
+
+    def take_candidates(self, seq_ids: list[int], tokens: list[int], candidates: list[list[int]]) -> None:
+        pass  # never called (``candidate_width`` is None)
 
     # --- the target's hidden states -------------------------------------------------------------------------
     def take_hidden_states(self, seq_ids: list[int], starts: list[int], counts: list[int],

@@ -25,6 +25,7 @@ from specdec.spec_decode.proposers.draft_vocab import DraftVocab, read_draft_voc
 from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
 from specdec.spec_decode.proposers.ngram_table import NgramTableProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
+from specdec.spec_decode.proposers.recycle import RecycleProposer
 from specdec.spec_decode.proposers.tree_drafting import TreeShape
 from specdec.tokenizer.tokenizer import Tokenizer
 
@@ -33,8 +34,8 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
                    timer: ForwardTimer | None = None,
                    on_draft_forward: Callable[[int, float], None] | None = None,
                    target: LlamaForCausalLM | None = None, draft_shard: tuple | None = None) -> Proposer:
-    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram_table", "combined" (a model-free
-    lookup first, the draft model for the requests it has nothing for), or "eagle3" (an EAGLE-3 head).
+    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram_table", "recycle", "combined" (a
+    model-free lookup first, the draft model for the requests it has nothing for), or "eagle3" (an EAGLE-3 head).
 
     Args:
         config: the engine's config (the target model, pool sizes, device).
@@ -55,11 +56,14 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
         model = _load_draft_model(config, spec, tokenizer, timer, on_draft_forward, target, draft_shard)
     if spec.method == "draft_model":
         return model
-    lookup = _model_free(spec, spec.combined_lookup if spec.method == "combined" else spec.method)
+    lookup = _model_free(spec, spec.combined_lookup if spec.method == "combined" else spec.method,
+                         config.model_config.vocab_size)
     return CombinedProposer(lookup, model) if spec.method == "combined" else lookup
 
 
-def _model_free(spec: SpeculativeConfig, method: str) -> ModelFreeProposer:
+def _model_free(spec: SpeculativeConfig, method: str, vocab_size: int) -> ModelFreeProposer:
+    if method == "recycle":
+        return RecycleProposer(vocab_size, spec.tree_max_branch, spec.recycle_scope)
     if method == "prompt_lookup":
         return PromptLookupProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     return NgramTableProposer(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window)
