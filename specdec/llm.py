@@ -133,8 +133,10 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
+        tenant: str | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order.
+        """Generate for every prompt (text or token ids); outputs in input order. ``tenant``: who sends them
+        (``LLMEngine.add_request``; scopes the suffix drafter's index).
 
         Every request is validated before any runs: one bad request raises ``ValueError`` (naming its index) and
         nothing is queued. A request that fails while running ends with ``finish_reason == "error"`` and its
@@ -149,7 +151,7 @@ class LLM:
                 if len(requests) == 1:
                     raise
                 raise ValueError(f"prompt {i} of {len(requests)}: {e}") from None
-        request_ids = [self.engine.add_request(prompt, params, ids) for prompt, params, ids in requests]
+        request_ids = [self.engine.add_request(prompt, params, ids, tenant=tenant) for prompt, params, ids in requests]
         final: dict[str, RequestOutput] = {}
         try:
             while self.engine.has_unfinished_requests():
@@ -164,7 +166,7 @@ class LLM:
 
     def stream(
         self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
-        prompt_token_ids: list[int] | None = None,
+        prompt_token_ids: list[int] | None = None, tenant: str | None = None,
     ) -> Iterator[str]:
         """Yield text deltas of one request as they become safe to show (no partial UTF-8, no stop prefix).
 
@@ -173,7 +175,7 @@ class LLM:
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"LLM.stream yields the text of one sample; SamplingParams.n={sampling_params.n!r} "
                              "is not allowed here (use n=1, or generate() / engine.step() for n > 1)")
-        rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids)
+        rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids, tenant=tenant)
         self.last_stream_output = None
         shown = 0
         try:
@@ -199,17 +201,19 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict | None = None,
+        tenant: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate. ``chat_template``:
         a template's text, or the name of one of the model's named templates, instead of its default;
-        ``chat_template_kwargs``: more variables for the template (vLLM's arguments of the same names)."""
+        ``chat_template_kwargs``: more variables for the template (vLLM's arguments of the same names); ``tenant``:
+        as for :meth:`generate`."""
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer.json, so chat() cannot render a conversation")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template=chat_template,
                                                       chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, tenant=tenant)
 
     @staticmethod
     def _requests(prompts, sampling_params, prompt_token_ids) -> list[tuple[str | None, SamplingParams, list | None]]:

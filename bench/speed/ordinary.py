@@ -7,7 +7,8 @@
 ``kinds``: the chat prompts of ``bench/prompts/{conversation,translation,summarisation,qa,maths,retrieval}/`` (4
 per kind). ``repetitive``: ``bench/prompts/repetitive/workload.json``, 32 requests over 8 shared documents, sent
 one after another. Every configuration is its own engine (the target's weights shared: one copy), kept for the
-whole run, so a drafter that learns across requests (``recycle``'s engine-wide matrix) carries what it learnt from
+whole run, so a drafter that learns across requests (``recycle``'s engine-wide matrix, ``suffix``'s index of
+earlier outputs) carries what it learnt from
 one request to the next, as a server would; each request is run **once** per engine (a repetition would let such
 a drafter see the same request twice). Per request the engines run one after another in an order that rotates
 with the request index. Greedy, batch 1, chat template, stopping at EOS (``--max-tokens`` at most).
@@ -53,6 +54,8 @@ CONFIGS = {
     "recycle": dict(method="recycle", num_speculative_tokens=5),
     "recycle_always": dict(method="recycle", num_speculative_tokens=5, tree_policy="always"),
     "recycle_b8": dict(method="recycle", num_speculative_tokens=4, tree_budget=8),
+    "suffix": dict(method="suffix", num_speculative_tokens=8),
+    "suffix_k16": dict(method="suffix", num_speculative_tokens=16),
 }
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from specdec import SamplingParams
-from specdec.cli.parser import allowed_origins, sampling_params, speculative_config
+from specdec.cli.parser import allowed_origins, api_keys, sampling_params, speculative_config
 from specdec.tokenizer.tokenizer import load_chat_template
 
 
@@ -74,7 +74,7 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or args.model or "default"
     origins = allowed_origins(args.allowed_origins)
     signals = run_server(_model_path(args.model), name, args.host, args.port, args.max_waiting,
-                         args.shutdown_timeout, speculative, api_key=args.api_key, allowed_origins=origins,
+                         args.shutdown_timeout, speculative, api_key=api_keys(args.api_key), allowed_origins=origins,
                          access_log=args.access_log, request_timeout=args.request_timeout,
                          chat_template=_template_arg(args.chat_template), dtype=args.dtype,
                          device=args.device,

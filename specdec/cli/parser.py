@@ -137,8 +137,9 @@ def _serve_parser(serve: argparse.ArgumentParser) -> None:
                        help="the name clients pass as 'model' (default: MODEL as given, or 'default')")
     serve.add_argument("--max-waiting", type=_non_negative_int, default=64,
                        help="requests queued beyond --max-num-seqs; more get HTTP 503 with Retry-After")
-    serve.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); "
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (401 otherwise); repeat "
+                            "it for several keys, each its own tenant (the suffix drafter's index is per tenant); "
                             "default: $SPECDEC_API_KEY, else no key")
     serve.add_argument("--allowed-origins", default=None, metavar="JSON|LIST",
                        help="browser origins allowed by CORS: a JSON list or comma-separated ('*': any); default: none")
@@ -270,6 +271,14 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     if "tree" in given:
         given["tree"] = parse_tree(given["tree"])
     return SpeculativeConfig(method=args.speculative_method, **given)
+
+
+def api_keys(given: list[str] | None) -> list[str] | None:
+    """``--api-key`` (repeated: several keys, each its own tenant), else ``$SPECDEC_API_KEY``, else None (no key)."""
+    if given:
+        return list(given)
+    env = os.environ.get("SPECDEC_API_KEY")
+    return [env] if env is not None else None
 
 
 def allowed_origins(text: str | None) -> list[str] | None:

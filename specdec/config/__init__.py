@@ -11,6 +11,7 @@ from specdec.config.speculative import (
     RECYCLE_SCOPES,
     RENAMED_METHODS,
     SPECULATIVE_METHODS,
+    SUFFIX_SCOPES,
     TREE_POLICIES,
     VERIFY_METHODS,
     SpeculativeConfig,
@@ -21,7 +22,7 @@ from specdec.config.vllm_compat import speculative_config_from_dict
 
 __all__ = [
     "DEVICES", "DRAFT_VOCAB_SUFFIXES", "MODEL_FREE_LOOKUPS", "RECYCLE_SCOPES", "RENAMED_METHODS", "SPECULATIVE_METHODS",
-    "TREE_POLICIES",
+    "SUFFIX_SCOPES", "TREE_POLICIES",
     "VERIFY_METHODS", "EngineConfig", "SpeculativeConfig", "check_draft_tensor_parallel", "check_draft_vocab_path",
     "check_tensor_parallel_options", "draft_model_dtype", "eos_ids", "gguf_source_of", "kv_pool_blocks",
     "kv_pool_room", "parse_tree", "speculative_config_from_dict", "tree_size",

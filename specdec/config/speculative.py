@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from specdec.config.tree_shape import tree_size
 from specdec.model.quant.linear import check_quantization, check_quantize_lm_head
 
-SPECULATIVE_METHODS = ("draft_model", "ngram_table", "prompt_lookup", "recycle", "combined", "eagle3")
+SPECULATIVE_METHODS = ("draft_model", "ngram_table", "prompt_lookup", "recycle", "suffix", "combined", "eagle3")
 RECYCLE_SCOPES = ("engine", "request")
+SUFFIX_SCOPES = ("tenant", "global")
 MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram_table")
 # old name -> new name; the old one still runs, with a DeprecationWarning (vLLM's "ngram" is our "prompt_lookup",
 # so a copied vLLM config would otherwise run the other drafter without a word)
@@ -42,7 +43,9 @@ class SpeculativeConfig:
             the request's own tokens; "ngram" is its deprecated name, stored as "ngram_table" with a warning),
             "prompt_lookup" (copy what followed the latest earlier match of the text's suffix; vLLM calls this
             "ngram"), "recycle" (a tree of the target's own top-k candidates kept per token id from earlier
-            forwards - Token Recycling; it drafts trees: ``tree=None`` means "dynamic" for it),
+            forwards - Token Recycling; it drafts trees: ``tree=None`` means "dynamic" for it), "suffix" (what
+            followed the text's suffix in the request and in earlier outputs of its tenant - SuffixDecoding; trees
+            as for "recycle"),
             "combined" (a model-free match when there is one, else the draft model), or "eagle3" (an EAGLE-3 head
             drafts from the target's own hidden states; docs/architecture.md, "EAGLE-3 heads").
         draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined"); "self": the
@@ -91,6 +94,11 @@ class SpeculativeConfig:
         recycle_scope: method "recycle": "engine" - one candidate matrix for every request of the engine (what one
             request's forwards ranked drafts another's; outputs never depend on it, speed does), or "request" - a
             matrix per request, forgotten when it finishes.
+        suffix_max_tokens: method "suffix": the most tokens of earlier outputs each index keeps (the oldest outputs
+            are evicted first; ~100 bytes per token).
+        suffix_scope: method "suffix": "tenant" - an index per tenant (``LLM.generate(tenant=)``; the API key under
+            ``specdec serve``), so one tenant's text never shapes another's drafts or speed; "global" - one index for
+            every request (opt-in sharing).
     """
 
     method: str = "draft_model"
@@ -118,6 +126,8 @@ class SpeculativeConfig:
     draft_vocab: str | None = None
     draft_vocab_size: int | None = None
     recycle_scope: str = "engine"
+    suffix_max_tokens: int = 200_000
+    suffix_scope: str = "tenant"
 
     def __post_init__(self) -> None:
         self.method = _renamed("method", self.method)
@@ -162,8 +172,16 @@ class SpeculativeConfig:
             raise ValueError(f"recycle_scope {self.recycle_scope!r} is not supported; supported: {RECYCLE_SCOPES}")
         if self.recycle_scope != "engine" and self.method != "recycle":
             raise ValueError(f"recycle_scope is for method 'recycle', not {self.method!r}")
-        if self.method == "recycle" and self.tree is None:
-            self.tree = "dynamic"  # recycled candidates draft trees (tree_budget nodes, tree_max_branch per node)
+        if self.suffix_scope not in SUFFIX_SCOPES:
+            raise ValueError(f"suffix_scope {self.suffix_scope!r} is not supported; supported: {SUFFIX_SCOPES}")
+        size = self.suffix_max_tokens
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"suffix_max_tokens must be an integer >= 1 (tokens each tenant's index keeps), got "
+                             f"{size!r}")
+        if self.method != "suffix" and (self.suffix_scope != "tenant" or size != 200_000):
+            raise ValueError(f"suffix_scope and suffix_max_tokens are for method 'suffix', not {self.method!r}")
+        if self.method in ("recycle", "suffix") and self.tree is None:
+            self.tree = "dynamic"  # both draft trees (tree_budget nodes; recycle: tree_max_branch per node)
         self._check_draft_vocab()
         self._check_tree()
 

@@ -168,12 +168,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id.
+        """Validate and queue a request; returns its id. ``tenant``: who sent it (None: the anonymous tenant);
+        state shared across requests - the suffix drafter's index - is shared only within a tenant.
 
         ``params.n > 1`` queues n samples (sequences) of the prompt (engine/parallel_sampling.py); ``step()`` and
         ``abort()`` report them as one ``RequestOutput`` under the returned id, ``outputs[i]`` for sample i."""
         params = params if params is not None else SamplingParams()
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ValueError(f"tenant must be None or a non-empty string, got {tenant!r}")
         ids = self.validate_request(prompt, prompt_token_ids, params)
         seq_ids = [next(self._seq_ids) for _ in range(params.n)]
         request_id = request_id if request_id is not None else str(seq_ids[0])
@@ -189,6 +193,7 @@ class LLMEngine:
             seq = Sequence(seq_id, own_id, prompt, ids, sample_params(params, i, seed), seed, eos)
             seq.metrics.num_prompt_tokens = len(ids)
             seq.logprobs = [] if params.logprobs is not None else None
+            seq.tenant = tenant
             if params.structured_outputs is not None:  # each sample its own matcher
                 seq.grammar = self.grammar_compiler().state(params.structured_outputs)
             seqs.append(seq)

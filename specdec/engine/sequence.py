@@ -161,6 +161,9 @@ class Sequence:
     index: int = 0
     # structured outputs: the grammar state after the committed output (specdec/structured/grammar.py), or None
     grammar: GrammarState | None = None
+    # who sent the request (LLM.generate(tenant=); serve: the API key): scopes state shared across requests (the
+    # suffix drafter's index), None = the anonymous tenant
+    tenant: str | None = None
     # detokenisation state (engine/detokenizer.py)
     output_text: str = ""
     stable_text_len: int = 0  # prefix of output_text that streaming may show

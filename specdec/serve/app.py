@@ -38,11 +38,13 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 
 
 def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdown_timeout: float = 10.0,
-              api_key: str | None = None, allowed_origins: list[str] | None = None,
+              api_key: str | list[str] | None = None, allowed_origins: list[str] | None = None,
               request_timeout: float | None = None, chat_template: str | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` as ``model_name``. The engine loop starts and stops with the app's
     lifespan (uvicorn runs it); ``app.state.async_engine`` is the ``AsyncEngine``. ``api_key``: every route but
-    ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401, OpenAI's error shape); ``allowed_origins``:
+    ``/health`` needs ``Authorization: Bearer <api_key>`` (else 401, OpenAI's error shape); a list of keys: any of
+    them, each key its own tenant (``LLMEngine.add_request(tenant=)``: the suffix drafter's index is per tenant;
+    without a key every request is the anonymous tenant); ``allowed_origins``:
     browser origins allowed by CORS (``["*"]``: any; None: no CORS headers); ``request_timeout``: seconds a request
     may take from arrival to its last token (None: no limit) - past it the request is aborted (its blocks freed)
     and answered 504, or a stream ends with an error event; ``chat_template``: the template chat requests are
@@ -66,19 +68,23 @@ def build_app(engine: LLMEngine, model_name: str, max_waiting: int = 64, shutdow
     app = FastAPI(title="specdec", lifespan=lifespan)
     document(app)  # the request and response bodies in /docs and /openapi.json
     if api_key is not None:
-        if not api_key:
-            raise ValueError("the API key must not be empty")
-        expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        if not keys or not all(isinstance(k, str) and k for k in keys):
+            raise ValueError("the API key must not be empty (and a list of keys must hold non-empty strings)")
+        expected = [f"Bearer {k}".encode() for k in keys]
 
         @app.middleware("http")
         async def require_api_key(request: Request, call_next):
             if request.url.path == "/health" or request.method == "OPTIONS":  # probes; CORS preflights
                 return await call_next(request)
             given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            # every key compared (constant time each), so the time taken does not say which key matched
+            matched = [i for i, e in enumerate(expected) if hmac.compare_digest(given, e)]
+            if not matched:
                 error = RequestError("a valid API key is required: send 'Authorization: Bearer <key>'",
                                      status=401, type="authentication_error", code="invalid_api_key")
                 return JSONResponse(error.body(), status_code=401)
+            request.state.tenant = f"api-key-{matched[0]}"  # the key's index, never the key itself
             return await call_next(request)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
@@ -135,7 +141,7 @@ class _Server:
             req = parse_chat(body, self.model_name) if chat else parse_completion(body, self.model_name)
             if chat:
                 req.prompts = [self._render(req)]
-            streams = await self._add_all(req)
+            streams = await self._add_all(req, getattr(request.state, "tenant", None))
         except RequestError as e:
             return self._error(e)
         created = int(time.time())
@@ -185,12 +191,13 @@ class _Server:
         return ({"role": "assistant", "content": content, "tool_calls": calls},
                 "tool_calls" if finish_reason == "stop" else finish_reason)
 
-    async def _add_all(self, req: ParsedRequest) -> list[RequestStream]:
+    async def _add_all(self, req: ParsedRequest, tenant: str | None) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for prompt in req.prompts:
                 text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-                streams.append(await self.engine.add(text, req.params, ids, fill_max_tokens=req.fill_max_tokens))
+                streams.append(await self.engine.add(text, req.params, ids, fill_max_tokens=req.fill_max_tokens,
+                                                     tenant=tenant))
         except BaseException as e:
             for s in streams:
                 self.engine.abort(s.request_id)

@@ -157,7 +157,7 @@ class AsyncEngine:
 
     # --- requests (event loop side) ----------------------------------------------------------------------------
     async def add(self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
-                  fill_max_tokens: bool = False) -> RequestStream:
+                  fill_max_tokens: bool = False, tenant: str | None = None) -> RequestStream:
         """Queue a request on the loop thread; returns its stream. Raises ``ValueError`` (bad request, checked
         by ``LLMEngine.add_request``), ``QueueFullError`` or ``ShuttingDownError``.
 
@@ -177,7 +177,7 @@ class AsyncEngine:
                 return  # the caller went away before the command ran
             try:
                 done.set_result(self._add_on_loop(request_id, stream, prompt, params, prompt_token_ids,
-                                                  fill_max_tokens))
+                                                  fill_max_tokens, tenant))
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 done.set_exception(e)
 
@@ -250,7 +250,7 @@ class AsyncEngine:
         finally:
             self.snapshot = dataclasses.replace(self.snapshot, loop_alive=False)
 
-    def _add_on_loop(self, request_id, stream, prompt, params, prompt_token_ids, fill_max_tokens) -> None:
+    def _add_on_loop(self, request_id, stream, prompt, params, prompt_token_ids, fill_max_tokens, tenant) -> None:
         engine = self.engine
         unfinished = len(engine.scheduler.waiting) + len(engine.scheduler.running)
         if unfinished + _num_samples(params) > self.capacity:
@@ -267,7 +267,7 @@ class AsyncEngine:
                 raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
                                  f"max_model_len={engine.config.max_model_len}; shorten the prompt")
             params = dataclasses.replace(params, max_tokens=room)
-        engine.add_request(prompt, params, prompt_token_ids, request_id=request_id)
+        engine.add_request(prompt, params, prompt_token_ids, request_id=request_id, tenant=tenant)
         waiting = engine.scheduler.waiting
         if waiting and getattr(waiting[-1], "request_id", None) == request_id:
             stream.seq_metrics = waiting[-1].metrics

@@ -8,7 +8,7 @@ from specdec.config import SpeculativeConfig
 
 
 def run_server(model: str, model_name: str, host: str, port: int, max_waiting: int, shutdown_timeout: float,
-               speculative: SpeculativeConfig | None, log_level: str = "info", api_key: str | None = None,
+               speculative: SpeculativeConfig | None, log_level: str = "info", api_key: str | list[str] | None = None,
                allowed_origins: list[str] | None = None, access_log: bool = False,
                request_timeout: float | None = None, chat_template: str | None = None, **llm_kwargs) -> list[int]:
     """Serve ``model`` on ``host:port`` until interrupted. ``llm_kwargs`` go to ``specdec.LLM`` (dtype, device,

@@ -22,6 +22,7 @@ class RequestView(Protocol):
     seed: int  # the request's randomness key
     num_computed: int  # tokens whose K/V are in the target cache (committed)
     grammar: GrammarState | None  # structured outputs: the grammar state after the committed output, or None
+    tenant: str | None  # who sent it (``LLM.generate(tenant=)``; serve: the API key): scopes shared draft state
 
     @property
     def prompt_token_ids(self) -> list[int]: ...

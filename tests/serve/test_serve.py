@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve_helpers import Http, ServerThread
 
 import specdec
+from specdec.serve.app import build_app
 
 ENGINE = dict(dtype="float32", block_size=4, max_model_len=256, num_kv_blocks=800, max_num_seqs=48)
 PROMPTS = ["the cat sat on", "in the beginning", "hello there, the", "an ant in the tin"]
@@ -588,3 +589,28 @@ def test_openapi_describes_exactly_the_fields_the_server_accepts(servers):
     assert schema["components"]["schemas"]["ChatCompletionResponse"]["properties"]["choices"]
     assert set(CompletionRequest.model_fields) == COMPLETION_FIELDS | set(NEUTRAL)
     assert set(ChatCompletionRequest.model_fields) == CHAT_FIELDS | set(NEUTRAL)
+
+
+def test_each_api_key_is_its_own_tenant(tiny_pair):
+    """``build_app(api_key=[k1, k2])``: either key is accepted, and the engine gets the key's tenant (its index,
+    never the key) - what scopes the suffix drafter's index; no key: the anonymous tenant (None)."""
+    tenants = []
+    for keys in (["k1", "k2"], None):
+        server = ServerThread(tiny_pair[0], app_kwargs={"api_key": keys}, **ENGINE)
+        real = server.llm.engine.add_request
+
+        def add_request(*args, tenant=None, real=real, **kwargs):
+            tenants.append(tenant)
+            return real(*args, tenant=tenant, **kwargs)
+
+        server.llm.engine.add_request = add_request
+        server.start()
+        try:
+            for key in (["k2", "k1"] if keys else ["none"]):
+                client = server.client(api_key=key)
+                assert client.completions.create(model="tiny", prompt="the", max_tokens=2).choices
+        finally:
+            server.stop()
+    assert tenants == ["api-key-1", "api-key-0", None]
+    with pytest.raises(ValueError, match="must not be empty"):
+        build_app(small_llm(tiny_pair[0], **ENGINE).engine, "tiny", api_key=["k1", ""])

@@ -15,6 +15,7 @@ import urllib.request
 from serve_helpers import free_port
 
 import specdec
+from specdec.cli.parser import api_keys
 
 
 def test_cli_serve_completions_chat_and_sigint(tiny_pair, tiny_pair_plain):
@@ -92,13 +93,16 @@ def test_serve_options_parse():
         except ValueError:
             pass
     args = build_parser().parse_args(["serve", "--api-key", "x", "--access-log"])
-    assert args.api_key == "x" and args.access_log is True
+    assert api_keys(args.api_key) == ["x"] and args.access_log is True
+    args = build_parser().parse_args(["serve", "--api-key", "x", "--api-key", "y"])
+    assert api_keys(args.api_key) == ["x", "y"]  # several keys, each its own tenant
 
 
 def test_serve_api_key_defaults_to_the_environment(monkeypatch):
     from specdec.cli import build_parser
 
     monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
-    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert api_keys(build_parser().parse_args(["serve"]).api_key) == ["from-env"]
+    assert api_keys(build_parser().parse_args(["serve", "--api-key", "given"]).api_key) == ["given"]
     monkeypatch.delenv("SPECDEC_API_KEY")
-    assert build_parser().parse_args(["serve"]).api_key is None
+    assert api_keys(build_parser().parse_args(["serve"]).api_key) is None

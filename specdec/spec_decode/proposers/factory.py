@@ -26,6 +26,7 @@ from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
 from specdec.spec_decode.proposers.ngram_table import NgramTableProposer
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 from specdec.spec_decode.proposers.recycle import RecycleProposer
+from specdec.spec_decode.proposers.suffix import SuffixProposer
 from specdec.spec_decode.proposers.tree_drafting import TreeShape
 from specdec.tokenizer.tokenizer import Tokenizer
 
@@ -34,8 +35,9 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
                    timer: ForwardTimer | None = None,
                    on_draft_forward: Callable[[int, float], None] | None = None,
                    target: LlamaForCausalLM | None = None, draft_shard: tuple | None = None) -> Proposer:
-    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram_table", "recycle", "combined" (a
-    model-free lookup first, the draft model for the requests it has nothing for), or "eagle3" (an EAGLE-3 head).
+    """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram_table", "recycle", "suffix",
+    "combined" (a model-free lookup first, the draft model for the requests it has nothing for), or "eagle3" (an
+    EAGLE-3 head).
 
     Args:
         config: the engine's config (the target model, pool sizes, device).
@@ -64,6 +66,8 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
 def _model_free(spec: SpeculativeConfig, method: str, vocab_size: int) -> ModelFreeProposer:
     if method == "recycle":
         return RecycleProposer(vocab_size, spec.tree_max_branch, spec.recycle_scope)
+    if method == "suffix":
+        return SuffixProposer(spec.suffix_max_tokens, spec.suffix_scope)
     if method == "prompt_lookup":
         return PromptLookupProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     return NgramTableProposer(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window)
