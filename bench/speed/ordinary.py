@@ -56,6 +56,10 @@ CONFIGS = {
     "recycle_b8": dict(method="recycle", num_speculative_tokens=4, tree_budget=8),
     "suffix": dict(method="suffix", num_speculative_tokens=8),
     "suffix_k16": dict(method="suffix", num_speculative_tokens=16),
+    "suffix_tree": dict(method="suffix", num_speculative_tokens=8, tree="dynamic"),
+    "pick": dict(method="pick", num_speculative_tokens=6),
+    "pick_k8": dict(method="pick", num_speculative_tokens=8),
+    "pick_tree": dict(method="pick", num_speculative_tokens=6, tree="dynamic"),
 }
 
 

@@ -14,7 +14,14 @@ import json
 import os
 
 from specdec import SamplingParams, SpeculativeConfig, __version__
-from specdec.config import RECYCLE_SCOPES, TREE_POLICIES, VERIFY_METHODS, parse_tree, speculative_config_from_dict
+from specdec.config import (
+    RECYCLE_SCOPES,
+    SUFFIX_SCOPES,
+    TREE_POLICIES,
+    VERIFY_METHODS,
+    parse_tree,
+    speculative_config_from_dict,
+)
 from specdec.training import command as train_command
 from specdec.training import vocab_command
 
@@ -179,8 +186,8 @@ def _convert_parser(conv: argparse.ArgumentParser) -> None:
 def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--speculative-method", default=None,
-                       help="draft_model | ngram_table | prompt_lookup | recycle | combined | eagle3 (default: plain "
-                            "decoding)")
+                       help="draft_model | ngram_table | prompt_lookup | recycle | suffix | pick | combined | eagle3 "
+                            "(default: plain decoding)")
     group.add_argument("--draft-model", default=None,
                        help="draft model for draft_model / combined ('self': the target's checkpoint again); the "
                             "EAGLE-3 head for eagle3")
@@ -217,6 +224,12 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--recycle-scope", choices=RECYCLE_SCOPES, default=None,
                        help="method recycle: one candidate matrix for the engine's requests, or one per request "
                             f"(default: {_speculative_default('recycle_scope')})")
+    group.add_argument("--suffix-scope", choices=SUFFIX_SCOPES, default=None,
+                       help="methods suffix / pick: an index of earlier outputs per tenant (per API key under serve), "
+                            f"or one for all (default: {_speculative_default('suffix_scope')})")
+    group.add_argument("--suffix-max-tokens", type=_positive_int, default=None,
+                       help="methods suffix / pick: tokens of earlier outputs each index keeps (default: "
+                            f"{_speculative_default('suffix_max_tokens')})")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="vLLM's speculative config as JSON, read with vLLM's meanings (its 'ngram' is our "
                             "prompt_lookup; specdec/config/vllm_compat.py), e.g. "
@@ -238,11 +251,13 @@ _SPECULATIVE_OPTIONS = (
     ("--draft-vocab-size", "draft_vocab_size"), ("--num-speculative-tokens", "num_speculative_tokens"),
     ("--adaptive", "adaptive"), ("--verify", "verify"), ("--tree", "tree"), ("--tree-budget", "tree_budget"),
     ("--tree-policy", "tree_policy"), ("--recycle-scope", "recycle_scope"),
+    ("--suffix-scope", "suffix_scope"), ("--suffix-max-tokens", "suffix_max_tokens"),
 )
 _DRAFT_METHODS = "draft_model or combined"
 _NEEDS = {"--draft-model": "draft_model, combined or eagle3", "--draft-quantization": _DRAFT_METHODS,
           "--draft-quantize-lm-head": _DRAFT_METHODS, "--draft-tensor-parallel-size": _DRAFT_METHODS,
-          "--draft-vocab": _DRAFT_METHODS, "--draft-vocab-size": _DRAFT_METHODS, "--recycle-scope": "recycle"}
+          "--draft-vocab": _DRAFT_METHODS, "--draft-vocab-size": _DRAFT_METHODS, "--recycle-scope": "recycle or pick",
+          "--suffix-scope": "suffix or pick", "--suffix-max-tokens": "suffix or pick"}
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:

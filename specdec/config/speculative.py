@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from specdec.config.tree_shape import tree_size
 from specdec.model.quant.linear import check_quantization, check_quantize_lm_head
 
-SPECULATIVE_METHODS = ("draft_model", "ngram_table", "prompt_lookup", "recycle", "suffix", "combined", "eagle3")
+SPECULATIVE_METHODS = ("draft_model", "ngram_table", "prompt_lookup", "recycle", "suffix", "pick", "combined",
+                       "eagle3")
 RECYCLE_SCOPES = ("engine", "request")
 SUFFIX_SCOPES = ("tenant", "global")
 MODEL_FREE_LOOKUPS = ("prompt_lookup", "ngram_table")
@@ -44,8 +45,8 @@ class SpeculativeConfig:
             "prompt_lookup" (copy what followed the latest earlier match of the text's suffix; vLLM calls this
             "ngram"), "recycle" (a tree of the target's own top-k candidates kept per token id from earlier
             forwards - Token Recycling; it drafts trees: ``tree=None`` means "dynamic" for it), "suffix" (what
-            followed the text's suffix in the request and in earlier outputs of its tenant - SuffixDecoding; trees
-            as for "recycle"),
+            followed the text's suffix in the request and in earlier outputs of its tenant - SuffixDecoding), "pick" (each round, per request, the best of those four model-free drafters by their
+            measured acceptance),
             "combined" (a model-free match when there is one, else the draft model), or "eagle3" (an EAGLE-3 head
             drafts from the target's own hidden states; docs/architecture.md, "EAGLE-3 heads").
         draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined"); "self": the
@@ -170,18 +171,19 @@ class SpeculativeConfig:
             raise ValueError(f"verify {self.verify!r} is not supported; supported: {VERIFY_METHODS}")
         if self.recycle_scope not in RECYCLE_SCOPES:
             raise ValueError(f"recycle_scope {self.recycle_scope!r} is not supported; supported: {RECYCLE_SCOPES}")
-        if self.recycle_scope != "engine" and self.method != "recycle":
-            raise ValueError(f"recycle_scope is for method 'recycle', not {self.method!r}")
+        if self.recycle_scope != "engine" and self.method not in ("recycle", "pick"):
+            raise ValueError(f"recycle_scope is for methods 'recycle' and 'pick', not {self.method!r}")
         if self.suffix_scope not in SUFFIX_SCOPES:
             raise ValueError(f"suffix_scope {self.suffix_scope!r} is not supported; supported: {SUFFIX_SCOPES}")
         size = self.suffix_max_tokens
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"suffix_max_tokens must be an integer >= 1 (tokens each tenant's index keeps), got "
                              f"{size!r}")
-        if self.method != "suffix" and (self.suffix_scope != "tenant" or size != 200_000):
-            raise ValueError(f"suffix_scope and suffix_max_tokens are for method 'suffix', not {self.method!r}")
-        if self.method in ("recycle", "suffix") and self.tree is None:
-            self.tree = "dynamic"  # both draft trees (tree_budget nodes; recycle: tree_max_branch per node)
+        if self.method not in ("suffix", "pick") and (self.suffix_scope != "tenant" or size != 200_000):
+            raise ValueError(f"suffix_scope and suffix_max_tokens are for methods 'suffix' and 'pick', not "
+                             f"{self.method!r}")
+        if self.method == "recycle" and self.tree is None:
+            self.tree = "dynamic"  # recycled candidates draft trees (tree_budget nodes, tree_max_branch per node)
         self._check_draft_vocab()
         self._check_tree()
 

@@ -7,12 +7,12 @@ drafts were accepted (the drafter really drafted), that rounds were also rejecte
 the rollback path ran), and that every block pool is whole afterwards; a case may add its own checks.
 
 Axes: the draft model at k = 1..8, block verification, static and dynamic draft-model trees, prompt lookup and the
-n-gram table (chains and trees), recycled candidates and suffix drafting (trees, chains, per-request matrices,
-tenants), combined drafting, adaptive k, EAGLE-3 heads (chains, trees, a smaller head vocabulary, block
-verification, adaptive k), reduced draft vocabularies (``draft_vocab=``), quantised targets and quantised self
-drafts, greedy requests with penalties, structured outputs (a regex and a JSON schema: chains, block verification,
-trees, model-free drafters, EAGLE-3), batch 1 and 4, and steps that mix prefill chunks, plain rows and rounds (a
-small token budget, requests near ``max_tokens``).
+n-gram table (chains and trees), recycled candidates, suffix drafting and the per-round pick among them (trees,
+chains, per-request matrices, tenants), combined drafting, adaptive k, EAGLE-3 heads (chains, trees, a smaller head
+vocabulary, block verification, adaptive k), reduced draft vocabularies (``draft_vocab=``), quantised targets and
+quantised self drafts, greedy requests with penalties, structured outputs (a regex and a JSON schema: chains, block
+verification, trees, model-free drafters, EAGLE-3), batch 1 and 4, and steps that mix prefill chunks, plain rows and
+rounds (a small token budget, requests near ``max_tokens``).
 """
 
 from __future__ import annotations
@@ -186,13 +186,20 @@ CASES = [
          llm={"max_num_batched_tokens": 24}, rejects=False),
     # suffix drafting: the request's own text and the earlier outputs of its tenant (one generate call: requests
     # that finish first are indexed before later ones draft), trees and chains, one index for every tenant
-    *[Case(f"suffix-tree-b{b}", model_free("suffix", tree_policy="always", tree_budget=10), batch=b,
+    *[Case(f"suffix-tree-b{b}", model_free("suffix", tree="dynamic", tree_policy="always", tree_budget=10), batch=b,
            prompts="repetitive") for b in (1, 4)],
-    Case("suffix-chain-b4", model_free("suffix", tree_max_batch_size=1), prompts="repetitive"),
+    Case("suffix-chain-b4", model_free("suffix"), prompts="repetitive"),
     Case("suffix-global-b4", model_free("suffix", suffix_scope="global", suffix_max_tokens=100),
          prompts="repetitive"),
-    Case("suffix-mixed_steps", model_free("suffix", tree_policy="always"), batch=5, prompts="mixed",
+    Case("suffix-mixed_steps", model_free("suffix", tree="dynamic", tree_policy="always"), batch=5, prompts="mixed",
          llm={"max_num_batched_tokens": 24}, rejects=False),
+    # pick: per request and round the best of the four model-free drafters by measured acceptance
+    *[Case(f"pick-b{b}", model_free("pick", num_speculative_tokens=6), batch=b, prompts="repetitive")
+      for b in (1, 4)],
+    Case("pick-tree-b4", model_free("pick", tree="dynamic", tree_policy="always", tree_budget=10),
+         prompts="repetitive"),
+    Case("pick-mixed_steps", model_free("pick"), batch=5, prompts="mixed", llm={"max_num_batched_tokens": 24},
+         rejects=False),
     # combined: prompt lookup where it matches, the draft model (or the n-gram table) elsewhere
     *[Case(f"combined-b{b}", draft(3, method="combined"), batch=b, prompts="repetitive", check=rolls_back_blocks)
       for b in (1, 4)],
@@ -226,6 +233,7 @@ CASES = [
           ("ngram_table-tree", model_free("ngram_table", tree=[3, 2, 1], tree_policy="always"), "pair", True),
           ("recycle", model_free("recycle", tree_policy="always"), "pair", True),
           ("suffix", model_free("suffix", tree_policy="always"), "pair", False),
+          ("pick", model_free("pick"), "pair", False),
           ("eagle3-chain", eagle(), "eagle", False), ("eagle3-tree", eagle(tree=[2, 2, 1]), "eagle", False),
           # a reduced draft vocabulary meeting a grammar: q masked over the subset's columns (all-masked rows included)
           ("draft_vocab", reduced(), "pair", True))],
@@ -248,7 +256,7 @@ BF16_CASES = [
         "draft_model-k3-b4", "draft_model-mixed_steps", "block_verify-b1", "tree-2211-b1", "tree-dynamic-b4",
         "prompt_lookup-b1", "prompt_lookup-b4", "ngram_table-b4", "ngram_table-tree-static", "eagle3-chain-b4",
         "eagle3-tree-dynamic-b1", "eagle3-mixed_steps-tree", "recycle-tree-b4", "recycle-chain-b4", "suffix-tree-b4",
-        "suffix-chain-b4")
+        "suffix-chain-b4", "pick-b4", "pick-tree-b4")
     if q is None or c.target == "pair"
 ]
 CASES += BF16_CASES

@@ -4,7 +4,9 @@ Model-free drafters ("prompt_lookup", "ngram_table") propose tokens without a di
 draft x, so verification accepts x with probability p(x) and after a rejection draws from p with x zeroed
 (renormalised). Then P(y) = p(x) [y = x] + (1 - p(x)) p(y) [y != x] / (1 - p(x)) = p(y) whatever x is, as long as
 the drafts depend on the emitted prefix only. "combined" (prompt lookup when it matches, else the draft model)
-puts one-hot rows and draft-model rows (q = the draft's distribution) into the same verification batch.
+puts one-hot rows and draft-model rows (q = the draft's distribution) into the same verification batch. "suffix"
+drafts from the outputs of earlier requests too, and "pick" chooses its drafter by earlier rounds' outcomes: both
+depend on other requests' draws, never on the request's own future ones.
 
 Setup: the target/draft pair, exact oracle and statistic of tests/oracle.py (vocabulary 4; exact joint of
 tokens 1..m from transformers' logits and an independent float64 standardization; Pearson chi-square with pooling
@@ -53,8 +55,9 @@ CASES = [
     ("prompt_lookup", "temperature_1", 2), ("prompt_lookup", "top_k_top_p", 3), ("prompt_lookup", "penalties", 2),
     ("ngram_table", "temperature_1", 2), ("ngram_table", "top_k_top_p", 2), ("ngram_table", "penalties", 2),
     ("combined", "temperature_1", 2), ("combined", "top_k_top_p", 2), ("combined", "penalties", 2),
+    ("suffix", "temperature_1", 2), ("pick", "temperature_1", 2), ("pick", "penalties", 2),
 ]
-METHODS = ("prompt_lookup", "ngram_table", "combined")
+METHODS = ("prompt_lookup", "ngram_table", "combined", "pick")
 MUTANT_CASE = ("temperature_1", 2)
 MAX_M = max(k for *_, k in CASES) + 2
 

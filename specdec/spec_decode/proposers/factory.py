@@ -24,6 +24,7 @@ from specdec.spec_decode.proposers.draft_model import DraftModelProposer
 from specdec.spec_decode.proposers.draft_vocab import DraftVocab, read_draft_vocab
 from specdec.spec_decode.proposers.eagle3 import Eagle3Proposer
 from specdec.spec_decode.proposers.ngram_table import NgramTableProposer
+from specdec.spec_decode.proposers.pick import build_pick
 from specdec.spec_decode.proposers.prompt_lookup import PromptLookupProposer
 from specdec.spec_decode.proposers.recycle import RecycleProposer
 from specdec.spec_decode.proposers.suffix import SuffixProposer
@@ -36,7 +37,7 @@ def build_proposer(config: EngineConfig, spec: SpeculativeConfig, tokenizer: Tok
                    on_draft_forward: Callable[[int, float], None] | None = None,
                    target: LlamaForCausalLM | None = None, draft_shard: tuple | None = None) -> Proposer:
     """The proposer ``spec.method`` names: "draft_model", "prompt_lookup", "ngram_table", "recycle", "suffix",
-    "combined" (a model-free lookup first, the draft model for the requests it has nothing for), or "eagle3" (an
+    "pick", "combined" (a model-free lookup first, the draft model for the requests it has nothing for), or "eagle3" (an
     EAGLE-3 head).
 
     Args:
@@ -68,6 +69,10 @@ def _model_free(spec: SpeculativeConfig, method: str, vocab_size: int) -> ModelF
         return RecycleProposer(vocab_size, spec.tree_max_branch, spec.recycle_scope)
     if method == "suffix":
         return SuffixProposer(spec.suffix_max_tokens, spec.suffix_scope)
+    if method == "pick":
+        return build_pick(vocab_size, (spec.prompt_lookup_min, spec.prompt_lookup_max),
+                          (spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window), spec.tree_max_branch,
+                          spec.recycle_scope, spec.suffix_max_tokens, spec.suffix_scope)
     if method == "prompt_lookup":
         return PromptLookupProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
     return NgramTableProposer(spec.ngram_min_order, spec.ngram_max_order, spec.ngram_window)

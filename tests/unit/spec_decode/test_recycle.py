@@ -112,13 +112,13 @@ def test_config_and_cli_errors():
     assert SpeculativeConfig(method="recycle", tree=[2, 1]).tree == [2, 1]
     with pytest.raises(ValueError, match="recycle_scope 'user'"):
         SpeculativeConfig(method="recycle", recycle_scope="user")
-    with pytest.raises(ValueError, match="recycle_scope is for method 'recycle'"):
+    with pytest.raises(ValueError, match="recycle_scope is for methods .recycle. and .pick."):
         SpeculativeConfig(method="prompt_lookup", recycle_scope="request")
     parser = build_parser()
     args = parser.parse_args(["generate", "--prompt", "x", "--speculative-method", "recycle", "--recycle-scope",
                               "request"])
     assert speculative_config(args).recycle_scope == "request"
-    with pytest.raises(ValueError, match="--recycle-scope needs --speculative-method recycle"):
+    with pytest.raises(ValueError, match="--recycle-scope needs --speculative-method recycle or pick"):
         speculative_config(parser.parse_args(["generate", "--prompt", "x", "--recycle-scope", "request"]))
 
 

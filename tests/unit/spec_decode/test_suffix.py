@@ -88,12 +88,12 @@ def test_proposer_indexes_finished_outputs_per_tenant():
 
 
 def test_config_errors():
-    assert SpeculativeConfig(method="suffix").tree == "dynamic"
+    assert SpeculativeConfig(method="suffix").tree is None  # chains unless asked (recycle alone drafts trees)
     for kw, match in ((dict(suffix_scope="user"), "suffix_scope 'user'"), (dict(suffix_max_tokens=0), ">= 1"),
                       (dict(suffix_max_tokens=True), ">= 1")):
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig(method="suffix", **kw)
-    with pytest.raises(ValueError, match="for method 'suffix'"):
+    with pytest.raises(ValueError, match="for methods 'suffix' and 'pick'"):
         SpeculativeConfig(method="ngram_table", suffix_scope="global")
 
 
