@@ -45,8 +45,9 @@ class SpeculativeConfig:
             "prompt_lookup" (copy what followed the latest earlier match of the text's suffix; vLLM calls this
             "ngram"), "recycle" (a tree of the target's own top-k candidates kept per token id from earlier
             forwards - Token Recycling; it drafts trees: ``tree=None`` means "dynamic" for it), "suffix" (what
-            followed the text's suffix in the request and in earlier outputs of its tenant - SuffixDecoding), "pick" (each round, per request, the best of those four model-free drafters by their
-            measured acceptance),
+            followed the text's suffix in the request and in earlier outputs of its tenant - SuffixDecoding),
+            "pick" (each round, per request, the best of those four model-free drafters by their measured
+            acceptance),
             "combined" (a model-free match when there is one, else the draft model), or "eagle3" (an EAGLE-3 head
             drafts from the target's own hidden states; docs/architecture.md, "EAGLE-3 heads").
         draft_model: the draft's folder / .gguf / hub id (methods "draft_model" and "combined"); "self": the
