@@ -19,7 +19,7 @@ no ``method``               inferred from ``model`` as vLLM infers it: ``"ngram"
 ==========================  ==================================================================================
 
 Our own ``SpeculativeConfig`` fields (``adaptive``, ``tree``, ``verify``, ...) may sit in the same dict. Methods
-vLLM has and we do not (EAGLE-1, Medusa, MLP speculators, MTP heads, suffix decoding) and keys we do not
+vLLM has and we do not (EAGLE-1, Medusa, MLP speculators, MTP heads) and keys we do not
 implement are refused with a ``ValueError`` naming them: a config is never half applied.
 """
 
@@ -32,7 +32,7 @@ from specdec.config.speculative import SPECULATIVE_METHODS, SpeculativeConfig
 # vLLM's method names that run a drafter of ours, and what they run
 VLLM_METHODS = {"ngram": "prompt_lookup", "[ngram]": "prompt_lookup", "draft_model": "draft_model",
                 "eagle3": "eagle3"}
-VLLM_UNSUPPORTED = ("eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix", "ngram_gpu",
+VLLM_UNSUPPORTED = ("eagle", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "ngram_gpu",
                     "custom_class")
 VLLM_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
              "draft_tensor_parallel_size", "quantization")
@@ -90,7 +90,7 @@ def _method(method: str | None, model: str | None) -> str:
         return "draft_model"
     if method in VLLM_METHODS:
         return VLLM_METHODS[method]
-    if method in SPECULATIVE_METHODS:  # our own names ("prompt_lookup", "ngram_table", "combined") mean themselves
+    if method in SPECULATIVE_METHODS:  # our own names ("prompt_lookup", "ngram_table", "suffix", ...) mean themselves
         return method
     if method in VLLM_UNSUPPORTED or method.endswith("_mtp"):
         raise ValueError(f"speculative_config: vLLM's method {method!r} is not supported here; supported: "
