@@ -1,0 +1,57 @@
+"""bench.speed.ordinary without models: the workloads' prompts, the rotation of engines (each request once per
+engine), the per-group summary and the geometric mean."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from bench.speed import ordinary
+
+pytestmark = pytest.mark.bench
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt):
+        return "<user>" + messages[0]["content"]
+
+    def encode(self, text):
+        return [len(text)]
+
+
+def test_workloads_have_the_promised_shape():
+    kinds = ordinary.workload_requests("kinds", FakeTokenizer())
+    assert [g for g, _ in kinds] == [k for k in ordinary.KINDS for _ in range(4)]  # 4 prompts per kind
+    repetitive = ordinary.workload_requests("repetitive", FakeTokenizer())
+    assert len(repetitive) == 32
+    assert [g for g, _ in repetitive[:8]] == ["edit"] * 8 and [g for g, _ in repetitive[-8:]] == ["question"] * 8
+
+
+class FakeEngine:
+    def __init__(self, name, calls, tokens, seconds):
+        self.name, self.calls, self.tokens, self.seconds = name, calls, tokens, seconds
+
+    def generate(self, prompt_token_ids, sampling_params):
+        self.calls.append(self.name)
+        metrics = {"num_rounds": 2, "mean_tokens_per_round": 2.5, "drafted": 8, "accepted": 3, "alpha": 0.6,
+                   "k_per_step": [4, 4], "per_position_acceptance": []}
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(self.tokens))], metrics=metrics, error=None)]
+
+
+def test_run_rotates_the_order_and_summarize_reports_per_group(monkeypatch):
+    calls = []
+    engines = {"plain": FakeEngine("plain", calls, [1, 2, 3, 4], 2.0),
+               "fast": FakeEngine("fast", calls, [1, 2, 3, 4], 1.0)}
+    clock = iter(range(1000))
+    # perf_counter: start, end per call; the engine's seconds decide the gap
+    times = []
+    for name in ["plain", "fast", "fast", "plain", "plain", "fast"]:
+        t = next(clock) * 10.0
+        times += [t, t + engines[name].seconds]
+    it = iter(times)
+    monkeypatch.setattr(ordinary.time, "perf_counter", lambda: next(it))
+    runs = ordinary.run(engines, [("a", [1]), ("a", [2]), ("b", [3])], params=None)
+    assert calls == ["plain", "fast", "fast", "plain", "plain", "fast"]  # the order rotates per request
+    out = ordinary.summarize(runs, ["a", "b"])
+    assert out["a"]["fast"]["speedup"] == pytest.approx(2.0) and out["b"]["fast"]["speedup"] == pytest.approx(2.0)
+    assert out["a"]["fast"]["tau"] == pytest.approx(2.5) and out["all"]["fast"]["lossless"] is True
+    assert ordinary.geomean([1.0, 4.0]) == pytest.approx(2.0)
