@@ -90,6 +90,7 @@ class LLM:
         quantize_lm_head: bool | None = None,
         batch_invariant: bool | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
+        revision: str | None = None,
     ):
         if speculative_config is not None:
             if speculative is not None:
@@ -108,7 +109,7 @@ class LLM:
             prepack_weights=prepack_weights, enable_prefix_caching=enable_prefix_caching,
             enforce_eager=enforce_eager, quantization=quantization, quantization_group_size=quantization_group_size,
             tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
-            quantize_lm_head=quantize_lm_head, batch_invariant=batch_invariant,
+            quantize_lm_head=quantize_lm_head, batch_invariant=batch_invariant, revision=revision,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call

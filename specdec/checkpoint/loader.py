@@ -33,10 +33,18 @@ HUB_FILES = [
 logger = logging.getLogger(__name__)
 
 
-def resolve_model_path(model: str) -> str:
-    """A local HF-style directory for ``model``: a folder as is, a .gguf converted once, a hub id downloaded."""
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local HF-style directory for ``model``: a folder as is, a .gguf converted once, a hub id downloaded (at
+    ``revision``: a branch, tag or commit; None: the default branch). ``revision`` with a local path is refused."""
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty path or hub repo id, got {model!r}")
+    if revision is not None:
+        if not isinstance(revision, str) or not revision:
+            raise ValueError(f"revision must be a branch, tag or commit of a hub repo (a non-empty string), got "
+                             f"{revision!r}")
+        if model.endswith(".gguf") or os.path.exists(model) or model.count("/") != 1 or model.startswith((".", "/")):
+            raise ValueError(f"revision={revision!r} is for a hub repo id (org/name); {model!r} is a local path: "
+                             "drop revision, or check out that revision into the folder")
     if model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise ValueError(f"GGUF file not found: {model}")
@@ -46,7 +54,7 @@ def resolve_model_path(model: str) -> str:
     if os.path.exists(model):
         raise ValueError(f"{model} is a file, but not a .gguf; pass a model directory, a .gguf or a hub repo id")
     if model.count("/") == 1 and not model.startswith((".", "/")):
-        return _download_from_hub(model)
+        return _download_from_hub(model, revision)
     raise ValueError(f"model {model!r} is neither an existing directory, a .gguf file nor a hub repo id (org/name)")
 
 
@@ -62,21 +70,28 @@ def _converted_gguf_dir(path: str) -> str:
     return out_dir
 
 
-def _download_from_hub(repo_id: str) -> str:
+def _download_from_hub(repo_id: str, revision: str | None = None) -> str:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    at = f" at revision {revision!r}" if revision is not None else ""
     try:
-        return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=offline)
+        return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES, local_files_only=offline)
+    except GatedRepoError as e:  # before RepositoryNotFoundError: it is one
+        raise ValueError(f"{repo_id!r} is a gated repository: accept its license on the hub, then set HF_TOKEN (or "
+                         f"run `huggingface-cli login`) with an account that has access ({e})") from e
+    except RepositoryNotFoundError as e:
+        raise ValueError(f"{repo_id!r}{at} was not found on the hub; a private repository needs HF_TOKEN set "
+                         f"({e})") from e
     except LocalEntryNotFoundError as e:
         raise ValueError(
-            f"model {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached"
+            f"model {repo_id!r}{at} is not in the local Hugging Face cache and the hub cannot be reached"
             f"{' (HF_HUB_OFFLINE is set)' if offline else ''}; download it with network access first, "
             f"or pass a local directory or .gguf file"
         ) from e
     except Exception as e:  # network / auth / not-found errors from the hub client
-        raise ValueError(f"could not fetch {repo_id!r} from the Hugging Face hub: {e}") from e
+        raise ValueError(f"could not fetch {repo_id!r}{at} from the Hugging Face hub: {e}") from e
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -83,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
                          enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
                          quantization_group_size=args.quantization_group_size,
                          quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size,
-                         batch_invariant=_batch_invariant(args))
+                         batch_invariant=_batch_invariant(args), revision=args.revision)
     if signals:  # stopped by a signal that did not surface as KeyboardInterrupt: exit as the shell expects
         print("\ninterrupted", file=sys.stderr)
         return 128 + signals[-1]
@@ -107,7 +107,8 @@ def generate(args: argparse.Namespace) -> int:
     llm = LLM(_model_path(args.model), dtype=args.dtype, device=args.device, speculative=speculative,
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
               quantization_group_size=args.quantization_group_size, quantize_lm_head=args.quantize_lm_head,
-              tensor_parallel_size=args.tensor_parallel_size, batch_invariant=_batch_invariant(args))
+              tensor_parallel_size=args.tensor_parallel_size, batch_invariant=_batch_invariant(args),
+              revision=args.revision)
     try:
         return _stream_one(llm, args, params)
     finally:

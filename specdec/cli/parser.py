@@ -127,6 +127,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="as LLM(batch_invariant=None | True | False): specdec's row-invariant CPU kernels, so "
                              "an answer does not depend on its batch or on speculation (auto: on for bf16 on CPUs "
                              "with AMX); docs/guarantees.md")
+    parser.add_argument("--revision", default=None,
+                        help="as LLM(revision=): the branch, tag or commit of a hub repo id MODEL (default: its "
+                             "default branch); a gated or private repo needs HF_TOKEN")
     parser.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                         help="as LLM(tensor_parallel_size=): shard the model over N ranks (N - 1 spawned worker "
                              "processes, or torchrun's WORLD_SIZE ranks; gloo on CPU, NCCL on CUDA); "

@@ -76,6 +76,7 @@ class EngineConfig:
         distributed_timeout_s: float = 60.0,
         quantize_lm_head: bool | None = None,
         batch_invariant: bool | None = None,
+        revision: str | None = None,
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -94,7 +95,7 @@ class EngineConfig:
         check_quantization(quantization, quantization_group_size)
         check_quantize_lm_head(quantize_lm_head, quantization)
         check_tensor_parallel_options(tensor_parallel_size, distributed_timeout_s, dev)
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, revision)
         model_config = ModelConfig.from_json(path)
         check_tensor_parallel(model_config, tensor_parallel_size, "target")
         check_quantized_tensor_parallel(model_config, tensor_parallel_size, quantization, quantization_group_size,

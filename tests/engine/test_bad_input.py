@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from helpers import small_llm
@@ -144,6 +145,33 @@ def test_offline_hub_id_not_in_cache_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
         small_llm("nobody/not-a-model")
+
+
+def test_revision_reaches_the_hub_and_is_refused_for_local_paths(monkeypatch, tiny_pair):
+    """``LLM(revision=)`` downloads that revision of a hub repo id (the hub faked: it serves tiny_pair's target);
+    a revision with a local folder is refused rather than ignored; a gated repo names HF_TOKEN."""
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, **kwargs):
+        asked.append((repo_id, revision))
+        if repo_id == "org/gated":
+            raise GatedRepoError("403 Client Error: access to this model is restricted",
+                                 response=SimpleNamespace(headers={}, status_code=403, request=None))
+        return tiny_pair[0]
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    llm = small_llm("org/tiny", revision="v1.0", dtype="float32", max_model_len=64)
+    assert asked == [("org/tiny", "v1.0")]
+    assert llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=OK)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="revision='v1.0' is for a hub repo id"):
+        small_llm(tiny_pair[0], revision="v1.0")
+    with pytest.raises(ValueError, match="revision must be"):
+        small_llm("org/tiny", revision="")
+    with pytest.raises(ValueError, match="gated repository: accept its license on the hub, then set HF_TOKEN"):
+        small_llm("org/gated")
 
 
 def test_a_seed_at_the_top_of_the_range_runs(llm):
