@@ -32,6 +32,10 @@ METHODS = {
                                   num_speculative_tokens=4),
     "prompt_lookup_tree": dict(method="prompt_lookup", num_speculative_tokens=4, tree=[2, 2, 1, 1]),
     "draft_model": dict(method="draft_model", num_speculative_tokens=4),  # the draft given by --draft
+    # issue 34's drafters: state shared across the run's requests (the recycle matrix, the suffix index)
+    "recycle": dict(method="recycle", num_speculative_tokens=4, tree_policy="always"),
+    "suffix": dict(method="suffix", num_speculative_tokens=8),
+    "pick": dict(method="pick", num_speculative_tokens=6),
 }
 
 

@@ -11,7 +11,8 @@ whole run, so a drafter that learns across requests (``recycle``'s engine-wide m
 earlier outputs) carries what it learnt from
 one request to the next, as a server would; each request is run **once** per engine (a repetition would let such
 a drafter see the same request twice). Per request the engines run one after another in an order that rotates
-with the request index. Greedy, batch 1, chat template, stopping at EOS (``--max-tokens`` at most).
+with the request index. Greedy, batch 1, chat template, stopping at EOS (``--max-tokens`` at most); prefix caching
+on for the repetitive workload (its requests share documents, as a server's would), off for the kinds.
 
 Reported per kind (or per task of the workload) and configuration: tok/s (generated tokens / seconds of
 ``generate``, prefill included), the speedup over plain, tau (tokens per verification round, bonus included),
@@ -144,8 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"load {meta['load_average_at_start'][0]:.1f}", flush=True)
 
     target = resolve_model(args.target)
-    kwargs = {"dtype": args.dtype, "max_model_len": 4096, "num_kv_blocks": 512, "enable_prefix_caching": False,
-              "quantization": args.quantization}
+    # the repetitive workload's requests share documents: prefix caching on, as a server runs (every engine has its
+    # own cache, plain included), so the shared prompts' prefill does not hide the decoding
+    kwargs = {"dtype": args.dtype, "max_model_len": 4096, "num_kv_blocks": 1024,
+              "enable_prefix_caching": args.workload == "repetitive", "quantization": args.quantization}
     plain = specdec.LLM(target, **kwargs)
     engines = {"plain": plain}
     with reuse_target_weights(plain):
