@@ -91,6 +91,7 @@ class LLM:
         batch_invariant: bool | None = None,
         speculative_config: SpeculativeConfig | dict | None = None,
         revision: str | None = None,
+        generation_config: str = "auto",
     ):
         if speculative_config is not None:
             if speculative is not None:
@@ -110,6 +111,7 @@ class LLM:
             enforce_eager=enforce_eager, quantization=quantization, quantization_group_size=quantization_group_size,
             tensor_parallel_size=tensor_parallel_size, distributed_timeout_s=distributed_timeout_s,
             quantize_lm_head=quantize_lm_head, batch_invariant=batch_invariant, revision=revision,
+            generation_config=generation_config,
         )
         self.engine = LLMEngine(config, speculative)
         self.last_stream_output: RequestOutput | None = None  # the final output of the last stream() call
@@ -117,6 +119,12 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's defaults from its ``generation_config.json`` (temperature, top_k,
+        top_p, min_p, repetition_penalty, max_new_tokens as max_tokens; vLLM's reading) unless
+        ``LLM(generation_config="none")``: what ``generate`` / ``chat`` / ``stream`` use when given no params."""
+        return SamplingParams(**self.engine.config.sampling_defaults)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (nothing to do with ``tensor_parallel_size=1``); never hangs."""
@@ -144,6 +152,8 @@ class LLM:
         message in ``RequestOutput.error``; the others are unaffected. A request with ``n > 1`` returns one
         ``RequestOutput`` with ``outputs[i]`` for sample i.
         """
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         requests = self._requests(prompts, sampling_params, prompt_token_ids)
         for i, (prompt, params, ids) in enumerate(requests):
             try:
@@ -176,6 +186,8 @@ class LLM:
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"LLM.stream yields the text of one sample; SamplingParams.n={sampling_params.n!r} "
                              "is not allowed here (use n=1, or generate() / engine.step() for n > 1)")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         rid = self.engine.add_request(prompt, sampling_params, prompt_token_ids, tenant=tenant)
         self.last_stream_output = None
         shown = 0

@@ -83,7 +83,8 @@ def serve(args: argparse.Namespace) -> int:
                          enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
                          quantization_group_size=args.quantization_group_size,
                          quantize_lm_head=args.quantize_lm_head, tensor_parallel_size=args.tensor_parallel_size,
-                         batch_invariant=_batch_invariant(args), revision=args.revision)
+                         batch_invariant=_batch_invariant(args), revision=args.revision,
+                         generation_config=args.generation_config)
     if signals:  # stopped by a signal that did not surface as KeyboardInterrupt: exit as the shell expects
         print("\ninterrupted", file=sys.stderr)
         return 128 + signals[-1]
@@ -108,7 +109,8 @@ def generate(args: argparse.Namespace) -> int:
               enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
               quantization_group_size=args.quantization_group_size, quantize_lm_head=args.quantize_lm_head,
               tensor_parallel_size=args.tensor_parallel_size, batch_invariant=_batch_invariant(args),
-              revision=args.revision)
+              revision=args.revision, generation_config=args.generation_config)
+    params = sampling_params(args, llm.engine.config.sampling_defaults)  # the model's defaults where none given
     try:
         return _stream_one(llm, args, params)
     finally:

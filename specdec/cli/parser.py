@@ -22,6 +22,7 @@ from specdec.config import (
     parse_tree,
     speculative_config_from_dict,
 )
+from specdec.config.generation_defaults import GENERATION_CONFIG_MODES
 from specdec.training import command as train_command
 from specdec.training import vocab_command
 
@@ -127,6 +128,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="as LLM(batch_invariant=None | True | False): specdec's row-invariant CPU kernels, so "
                              "an answer does not depend on its batch or on speculation (auto: on for bf16 on CPUs "
                              "with AMX); docs/guarantees.md")
+    parser.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
+                        help="as LLM(generation_config=): auto = the model's generation_config.json sampling "
+                             "defaults (temperature, top_k, top_p, min_p, repetition_penalty, max_new_tokens) for "
+                             "what a request leaves unset, as vLLM does; none = SamplingParams' defaults")
     parser.add_argument("--revision", default=None,
                         help="as LLM(revision=): the branch, tag or commit of a hub repo id MODEL (default: its "
                              "default branch); a gated or private repo needs HF_TOKEN")
@@ -240,9 +245,16 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
                             "above")
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    """The request's ``SamplingParams`` from parsed ``generate`` arguments (validated on construction)."""
+def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None) -> SamplingParams:
+    """The request's ``SamplingParams`` from parsed ``generate`` arguments (validated on construction).
+    ``model_defaults``: the model's (``EngineConfig.sampling_defaults``), taken for every option left at
+    ``SamplingParams``' default (an option given at exactly that value cannot be told apart: ``--generation-config
+    none`` keeps the library's defaults)."""
     fields = {field: getattr(args, field) for _, field, _, _ in SAMPLING_OPTIONS}
+    library = sampling_defaults()
+    for field, value in (model_defaults or {}).items():
+        if field in fields and fields[field] == library[field]:
+            fields[field] = value
     return SamplingParams(**fields, stop=args.stop, ignore_eos=args.ignore_eos)
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specdec.checkpoint.loader import resolve_model_path
+from specdec.config.generation_defaults import sampling_defaults
 from specdec.config.kv_pool_sizing import kv_pool_blocks
 from specdec.config.parallel import check_tensor_parallel_options
 from specdec.config.speculative import SpeculativeConfig
@@ -52,6 +53,8 @@ class EngineConfig:
     # None: the row-invariant CPU kernels where they are not slower; True: wherever they run; False: never
     # (specdec/model/batch_invariant.py, docs/guarantees.md)
     batch_invariant: bool | None = None
+    # SamplingParams field -> the model's default (generation_config.json, as vLLM reads it; {}: none)
+    sampling_defaults: dict = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -77,6 +80,7 @@ class EngineConfig:
         quantize_lm_head: bool | None = None,
         batch_invariant: bool | None = None,
         revision: str | None = None,
+        generation_config: str = "auto",
     ) -> EngineConfig:
         if device not in DEVICES:
             raise ValueError(f"device {device!r} is not supported; supported: {DEVICES}")
@@ -97,6 +101,7 @@ class EngineConfig:
         check_tensor_parallel_options(tensor_parallel_size, distributed_timeout_s, dev)
         path = resolve_model_path(model, revision)
         model_config = ModelConfig.from_json(path)
+        defaults = sampling_defaults(path, generation_config)
         check_tensor_parallel(model_config, tensor_parallel_size, "target")
         check_quantized_tensor_parallel(model_config, tensor_parallel_size, quantization, quantization_group_size,
                                         "target")
@@ -132,7 +137,7 @@ class EngineConfig:
         return cls(model, path, model_config, torch_dtype, dev, max_model_len, block_size, max_num_seqs, budget,
                    num_kv_blocks, seed, eos_ids(path, model_config), prepack_weights, enable_prefix_caching,
                    enforce_eager, quantization, quantization_group_size, tensor_parallel_size,
-                   float(distributed_timeout_s), quantize_lm_head, batch_invariant)
+                   float(distributed_timeout_s), quantize_lm_head, batch_invariant, defaults)
 
     @property
     def gguf_source(self) -> str | None:

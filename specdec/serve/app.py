@@ -138,7 +138,9 @@ class _Server:
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not valid JSON: {e}") from None
-            req = parse_chat(body, self.model_name) if chat else parse_completion(body, self.model_name)
+            defaults = self.engine.engine.config.sampling_defaults
+            req = (parse_chat(body, self.model_name, defaults) if chat
+                   else parse_completion(body, self.model_name, defaults))
             if chat:
                 req.prompts = [self._render(req)]
             streams = await self._add_all(req, getattr(request.state, "tenant", None))

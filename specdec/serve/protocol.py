@@ -82,8 +82,10 @@ def supports(name: str) -> bool:
     return any(f.name == name and f.init for f in dataclasses.fields(SamplingParams))
 
 
-def parse_completion(body: object, model_name: str) -> ParsedRequest:
-    """``/v1/completions``: prompt is a string, a list of token ids, or a list of either (one choice each)."""
+def parse_completion(body: object, model_name: str, defaults: dict | None = None) -> ParsedRequest:
+    """``/v1/completions``: prompt is a string, a list of token ids, or a list of either (one choice each).
+    ``defaults``: the model's sampling defaults (``EngineConfig.sampling_defaults``) for the fields the request
+    leaves unset."""
     body = _check_body(body, COMPLETION_FIELDS, model_name)
     if "prompt" not in body:
         raise RequestError("'prompt' is required", "prompt")
@@ -102,13 +104,14 @@ def parse_completion(body: object, model_name: str) -> ParsedRequest:
     if logprobs is not None and not _is_int(logprobs, 0, MAX_TOP_LOGPROBS):
         raise RequestError(f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}] or null, got {logprobs!r}",
                            "logprobs")
-    req = _common(body, logprobs, max_tokens_field="max_tokens")
+    req = _common(body, logprobs, max_tokens_field="max_tokens", defaults=defaults)
     req.prompts = prompts
     return req
 
 
-def parse_chat(body: object, model_name: str) -> ParsedRequest:
-    """``/v1/chat/completions``: ``messages`` are rendered later with the model's chat template."""
+def parse_chat(body: object, model_name: str, defaults: dict | None = None) -> ParsedRequest:
+    """``/v1/chat/completions``: ``messages`` are rendered later with the model's chat template (``defaults``: as
+    for :func:`parse_completion`)."""
     body = _check_body(body, CHAT_FIELDS, model_name)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -127,7 +130,7 @@ def parse_chat(body: object, model_name: str) -> ParsedRequest:
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RequestError("give 'max_completion_tokens' or 'max_tokens', not both", "max_tokens")
     max_field = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    req = _common(body, (top or 0) if want else None, max_tokens_field=max_field)
+    req = _common(body, (top or 0) if want else None, max_tokens_field=max_field, defaults=defaults)
     req.chat, req.messages = True, clean
     try:
         req.tools = check_tools(body.get("tools") or [])
@@ -217,7 +220,7 @@ def _check_body(body: object, allowed: set[str], model_name: str) -> dict:
     return body
 
 
-def _common(body: dict, logprobs: int | None, max_tokens_field: str) -> ParsedRequest:
+def _common(body: dict, logprobs: int | None, max_tokens_field: str, defaults: dict | None = None) -> ParsedRequest:
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -243,10 +246,14 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str) -> ParsedRe
     if logprobs is not None and not supports("logprobs"):
         param = "logprobs" if "top_logprobs" not in body else "top_logprobs"
         raise RequestError("'logprobs' is not supported by this engine yet", param)
-    fields = {name: body[name] for name in _SAMPLING if body.get(name) is not None}
+    defaults = dict(defaults or {})
+    default_max_tokens = defaults.pop("max_tokens", None)
+    fields = {**defaults, **{name: body[name] for name in _SAMPLING if body.get(name) is not None}}
     max_tokens = body.get(max_tokens_field)
     if max_tokens is not None:
         fields["max_tokens"] = max_tokens
+    elif default_max_tokens is not None:  # the model's max_new_tokens (chat then does not fill the context)
+        fields["max_tokens"] = default_max_tokens
     if n > 1:
         fields["n"] = n
     if logprobs is not None:
@@ -261,7 +268,8 @@ def _common(body: dict, logprobs: int | None, max_tokens_field: str) -> ParsedRe
         raise RequestError(_rename(str(e), names), _param_of(str(e), names)) from None
     except TypeError as e:  # a field SamplingParams does not take
         raise RequestError(str(e)) from None
-    fill = max_tokens is None and "messages" in body  # chat's default: up to the context length
+    # chat's default: up to the context length (unless the model's generation config sets max_new_tokens)
+    fill = max_tokens is None and default_max_tokens is None and "messages" in body
     return_metrics = body.get("return_metrics", False)
     if not isinstance(return_metrics, bool):
         raise RequestError(f"'return_metrics' must be true or false, got {return_metrics!r}", "return_metrics")
