@@ -33,6 +33,12 @@ class Tokenizer:
         self.bos_token: str | None = _token_str(cfg.get("bos_token"))
         self.eos_token: str | None = _token_str(cfg.get("eos_token"))
         self.add_bos_token: bool = bool(cfg.get("add_bos_token", False))
+        self.add_eos_token: bool = bool(cfg.get("add_eos_token", False))
+        # who adds the special tokens, as transformers' PreTrainedTokenizerFast (5.x) decides: tokenizer.json's
+        # post-processor when it has one (Llama 3's adds <|begin_of_text|> that way; tokenizer_config.json's
+        # add_bos_token is then not read), else tokenizer_config.json's add_bos_token / add_eos_token (transformers 5
+        # then adds nothing; our GGUF conversions write no post-processor and rely on the config)
+        self._config_decides = self._tok.post_processor is None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     @staticmethod
@@ -41,12 +47,24 @@ class Tokenizer:
         return Tokenizer(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the BOS / EOS transformers would add (see
+        ``_config_decides``) - except leading special tokens the text already starts with (a rendered chat
+        template's BOS), which are not added twice."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token is not None:
-            bos = self._tok.token_to_id(self.bos_token)
+        if not add_special_tokens:
+            return ids
+        if self._config_decides:
+            bos = self._tok.token_to_id(self.bos_token) if self.add_bos_token and self.bos_token else None
+            eos = self._tok.token_to_id(self.eos_token) if self.add_eos_token and self.eos_token else None
             if bos is not None and (not ids or ids[0] != bos):
                 ids = [bos] + ids
-        return ids
+            return ids + [eos] if eos is not None else ids
+        full = self._tok.encode(text, add_special_tokens=True).ids
+        start = next((p for p in range(len(full) - len(ids) + 1) if full[p:p + len(ids)] == ids), 0)
+        prefix, suffix = full[:start], full[start + len(ids):]
+        if prefix and ids[:len(prefix)] == prefix:  # the text starts with what the post-processor would prepend
+            return ids + suffix
+        return full
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
