@@ -56,12 +56,14 @@ def make_tiny_model(
     perturb_scale: float = 0.0,
     lm_head_std: float = 0.5,
     layer_output_scale: float = 1.0,
+    extra_config: dict | None = None,
 ):
     """Write a random tiny checkpoint to ``path`` and return the transformers model (fp32, eval).
 
     ``dialect``: "hub" writes rope_theta/rope_scaling/torch_dtype; "v5" writes rope_parameters/dtype.
     ``perturb_from``: copy weights from that folder's model and add Gaussian noise (a draft that mostly agrees).
     ``lm_head_std``: std of the output projection (smaller = flatter next-token distributions).
+    ``extra_config``: more fields of the family's config (e.g. a Mistral ``sliding_window``).
     ``layer_output_scale``: scales every layer's o_proj and down_proj (below 1 the residual stream stays close to
     the token's embedding: the next token is mostly a function of the last one, which a tiny EAGLE-3 head built by
     ``make_tiny_eagle3_head`` can predict).
@@ -71,19 +73,27 @@ def make_tiny_model(
     torch.manual_seed(seed)
     rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64} if rope_scaling else None
-    cls_cfg = transformers.LlamaConfig if model_type == "llama" else transformers.Qwen2Config
+    families = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+    cls_cfg, cls = (getattr(transformers, name) for name in families[model_type])
+    extra = dict(extra_config or {})
+    if model_type == "qwen3":
+        extra.setdefault("head_dim", 2 * hidden_size // num_heads)  # Qwen3's head_dim is its own, not hidden / heads
     cfg = cls_cfg(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=tie_word_embeddings,
-        rope_theta=10000.0, rope_scaling=rope, bos_token_id=None, eos_token_id=256 + 5,
+        rope_theta=10000.0, rope_scaling=rope, bos_token_id=None, eos_token_id=256 + 5, **extra,
     )
-    cls = transformers.LlamaForCausalLM if model_type == "llama" else transformers.Qwen2ForCausalLM
     model = cls(cfg).float().eval()
     with torch.no_grad():
         # random init gives near-uniform logits; widen them so greedy decisions are clear-cut
         model.lm_head.weight.normal_(0, lm_head_std) if not tie_word_embeddings else (
             model.model.embed_tokens.weight.normal_(0, lm_head_std))
+        if model_type == "qwen3":  # QK-norm weights other than ones, so loading them is tested
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
         if perturb_from is not None:
             base = cls.from_pretrained(perturb_from, dtype=torch.float32)
             model.load_state_dict(base.state_dict())

@@ -115,11 +115,16 @@ class EngineConfig:
                              f"of 16 up to 256 and at most 16 query heads per KV head; this model has head dim "
                              f"{model_config.head_dim}, {heads[0]} query and {heads[1]} KV heads per rank")
         limit = model_config.max_position_embeddings
+        window = model_config.sliding_window
+        # a sliding window: sequences are kept within it, so attending the whole context is the window's attention
+        bound = "max_position_embeddings" if window is None or window >= limit else (
+            "sliding_window: this model attends only its last positions, and longer sequences are not supported")
+        limit = limit if window is None else min(limit, window)
         if max_model_len is None:
             max_model_len = min(limit, 8192)
         if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in [1, {limit}] (the model's "
-                             f"max_position_embeddings), got {max_model_len!r}")
+            raise ValueError(f"max_model_len must be an integer in [1, {limit}] (the model's {bound}), got "
+                             f"{max_model_len!r}")
         # The pool must hold one full-length sequence (+ lookahead) so that a valid request never fails.
         min_blocks = -(-(max_model_len + lookahead_slots + 1) // block_size)
         if dev.type == "cuda" and not enforce_eager:

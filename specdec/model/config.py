@@ -19,7 +19,7 @@ from specdec.model.linear import prepack_supported
 
 GGUF_CONVERSION_RECORD = "specdec_conversion.json"  # beside a converted config.json (checkpoint/gguf.py)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -47,8 +47,12 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # Qwen2 (and llama with attention_bias): q/k/v projections carry a bias
-    o_proj_bias: bool = False  # llama with attention_bias=True only
+    qkv_bias: bool = False  # Qwen2 (and llama / qwen3 / mistral with attention_bias): q/k/v projections carry a bias
+    o_proj_bias: bool = False  # llama / qwen3 / mistral with attention_bias=True only
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k (weights [head_dim]) before rope
+    # attention sees only the last ``sliding_window`` positions (Mistral's sliding_window, Qwen's with
+    # use_sliding_window): the engine keeps max_model_len within it, so full attention is exact (config/engine.py)
+    sliding_window: int | None = None
     rope_scaling: RopeScaling | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -89,7 +93,7 @@ class ModelConfig:
                              f"({num_kv_heads})")
         head_dim = raw.get("head_dim") or raw["hidden_size"] // num_heads
         rope_theta, rope_scaling = _parse_rope(raw)
-        llama_bias = model_type == "llama" and bool(raw.get("attention_bias", False))
+        llama_bias = model_type in ("llama", "qwen3", "mistral") and bool(raw.get("attention_bias", False))
         if raw.get("mlp_bias"):
             raise ValueError("mlp_bias=True is not supported (Llama-family MLPs here have no bias)")
         act = raw.get("hidden_act", "silu")
@@ -112,6 +116,8 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or llama_bias,
             o_proj_bias=llama_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=_sliding_window(raw, model_type),
             rope_scaling=rope_scaling,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -127,6 +133,27 @@ class ModelConfig:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * per_layer + h + head
+
+
+def _sliding_window(raw: dict, model_type: str) -> int | None:
+    """The attention window in positions, or None (full attention): Mistral's ``sliding_window``; Qwen2 / Qwen3's
+    only with ``use_sliding_window`` (and then on every layer: a ``max_window_layers`` below the layer count -
+    windows on some layers only - is refused)."""
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window", False):
+            return None
+        if raw.get("max_window_layers", 0) < raw["num_hidden_layers"]:
+            raise ValueError(f"use_sliding_window with max_window_layers={raw.get('max_window_layers')} below "
+                             f"num_hidden_layers={raw['num_hidden_layers']} (a window on some layers only) is not "
+                             "supported")
+    elif model_type != "mistral":
+        return None
+    if window is None:
+        return None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    return window
 
 
 def _parse_rope(raw: dict) -> tuple[float, RopeScaling | None]:

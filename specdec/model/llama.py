@@ -89,6 +89,10 @@ class Attention(nn.Module):
         self.rope = rope
         self.group = group
         self.batch_invariant = False  # row-invariant CPU attention (specdec/model/batch_invariant.py)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # Qwen3: each head's q and k normalised before rope (weights shared by the heads)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -101,7 +105,10 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         # Rotate q and k, write the new K/V into their slots (one fused kernel on a GPU), then attend over each
         # sequence's whole context.
-        q = ops.rope_write_kv(self.qkv_proj(x), positions, self.rope.cos, self.rope.sin, k_cache, v_cache,
+        qkv = self.qkv_proj(x)  # (T, (Hq + 2 Hkv) D)
+        if self.qk_norm:
+            qkv = self._norm_qk(qkv)
+        q = ops.rope_write_kv(qkv, positions, self.rope.cos, self.rope.sin, k_cache, v_cache,
                               meta.slot_mapping, self.num_heads, self.num_kv_heads)  # (T, Hq, D)
         out = ops.paged_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_q_lens, self.scale,
@@ -109,6 +116,15 @@ class Attention(nn.Module):
         )  # (T, Hq, D)
         out = self.o_proj(out.reshape(num_tokens, self.q_size))  # (T, hidden): this rank's heads' share
         return out if self.group is None else self.group.all_reduce(out)
+
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """``qkv`` (T, (Hq + 2 Hkv) D) with every head of q and k RMS-normalised over D (Qwen3's QK norm)."""
+        t, d = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t * self.num_heads, d)).reshape(t, self.q_size)
+        k = self.k_norm(k.reshape(t * self.num_kv_heads, d)).reshape(t, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):
