@@ -8,18 +8,29 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-SUPPORTED_PRE_TOKENIZERS = ("qwen2", "smollm")
+SUPPORTED_PRE_TOKENIZERS = ("llama-bpe", "qwen2", "smollm")
 _CONTROL, _USER_DEFINED = 3, 4  # `tokenizer.ggml.token_type` values (gguf.TokenType) of added tokens
-# Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json).
-_FAMILY_EOS_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>")}
+# Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json), by architecture
+# or by pre-tokenizer (Llama 3 shares the "llama" architecture with SmolLM2).
+_FAMILY_EOS_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>"),
+                      "llama-bpe": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")}
 # Qwen2's split regex (transformers `models/qwen2/tokenization_qwen2.py::PRETOKENIZE_REGEX`).
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
+# Llama 3's split regex (its tokenizer.json; llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3): Qwen2's, digits in runs of 1-3
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The upstream tokenizer.json's pre-tokenizer for a `tokenizer.ggml.pre` name (llama.cpp's naming)."""
+    if pre == "llama-bpe":
+        split = pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if pre == "qwen2":
         split = pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False)
         return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -87,13 +98,14 @@ def build_tokenizer(md, arch: str) -> tuple[Tokenizer, dict[str, Any], dict[str,
     }
     if (template := md.get("tokenizer.chat_template")) is not None:
         tokenizer_config["chat_template"] = template
-    return tokenizer, tokenizer_config, _generation_config(tokenizer, md, arch)
+    return tokenizer, tokenizer_config, _generation_config(tokenizer, md, arch, pre)
 
 
-def _generation_config(tokenizer: Tokenizer, md, arch: str) -> dict[str, Any]:
+def _generation_config(tokenizer: Tokenizer, md, arch: str, pre: str) -> dict[str, Any]:
     """bos / pad ids and every eos id the family stops on (an int when there is one, as HF writes it)."""
     eos_ids = [md.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
-    eos_ids += [tokenizer.token_to_id(t) for t in _FAMILY_EOS_TOKENS.get(arch, ())]  # None when absent
+    family = _FAMILY_EOS_TOKENS.get(arch, ()) + _FAMILY_EOS_TOKENS.get(pre, ())  # by architecture or tokenizer
+    eos_ids += [tokenizer.token_to_id(t) for t in family]  # None when absent
     eos_ids = list(dict.fromkeys(i for i in eos_ids if i is not None))
     config = {"bos_token_id": md.get("tokenizer.ggml.bos_token_id"), "eos_token_id": eos_ids}
     if (pad := md.get("tokenizer.ggml.padding_token_id")) is not None:

@@ -327,7 +327,7 @@ def write_tiny_gguf(
     return state
 
 
-@pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("llama", "smollm")])
+@pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("llama", "smollm"), ("llama", "llama-bpe")])
 def test_tiny_gguf_converts_like_transformers_loads_it(tmp_path, arch, pre):
     source = tmp_path / f"tiny-{arch}.gguf"
     state = write_tiny_gguf(source, arch=arch, pre=pre)
@@ -353,7 +353,8 @@ def test_tiny_gguf_converts_like_transformers_loads_it(tmp_path, arch, pre):
     torch.testing.assert_close(_logits(ours, ids), _logits(reference, ids), atol=1e-5, rtol=0)
     ours_tok = transformers.AutoTokenizer.from_pretrained(str(out))
     reference_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=source.name)
-    for text in ["def hello():\n    return the world", "x = 12345 <|im_start|>hi<|im_end|>", " <tool_call> ok"]:
+    for text in ["def hello():\n    return the world", "x = 12345 <|im_start|>hi<|im_end|>", " <tool_call> ok",
+                 "h\u00e9llo w\u00f6rld 2024!! \u4f60\u597d", "a  \t\n\n   b    c 1234567", "it's WE'LL they'd"]:
         assert ours_tok.encode(text) == reference_tok.encode(text), text
         assert ours_tok.decode(ours_tok.encode(text)) == text
 
@@ -454,7 +455,7 @@ def test_ensure_converted_verifies_sha256_once(tmp_path, monkeypatch):
     "kwargs, error",
     [
         ({"arch": "gpt2"}, r"unsupported GGUF architecture 'gpt2'; supported: \['llama', 'qwen2'\]"),
-        ({"pre": "llama-bpe"}, r"unsupported GGUF pre-tokenizer 'llama-bpe'; supported: \['qwen2', 'smollm'\]"),
+        ({"pre": "gpt-4o"}, r"unsupported GGUF pre-tokenizer 'gpt-4o'; supported: \['llama-bpe', 'qwen2', 'smollm'\]"),
         ({"rope_theta": None}, r"'qwen2\.rope\.freq_base' is missing"),
         ({"drop": ("blk.1.attn_k.bias",)}, r"missing tensors.*model\.layers\.1\.self_attn\.k_proj\.bias"),
     ],
