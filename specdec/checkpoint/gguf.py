@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -136,7 +137,8 @@ def _architecture(md: _Metadata) -> str:
 
 
 def _rope_scaling(md: _Metadata, arch: str) -> dict[str, Any] | None:
-    """HF `rope_scaling` from `{arch}.rope.scaling.*` (GGUF has no llama3 keys: see `_hf_name`)."""
+    """HF `rope_scaling` from `{arch}.rope.scaling.*` (GGUF has no llama3 keys: a `rope_freqs` tensor instead, read
+    by `llama3_scaling_from_rope_freqs`)."""
     kind = md.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -190,9 +192,43 @@ def _hf_name(gguf_name: str) -> str:
     match = _BLOCK_TENSOR_RE.fullmatch(gguf_name)
     if match and match[2] in _BLOCK_TENSORS:
         return f"model.layers.{match[1]}.{_BLOCK_TENSORS[match[2]]}.{match[3]}"
-    if gguf_name == "rope_freqs.weight":
-        raise ValueError("llama3-style rope scaling (a `rope_freqs` tensor) is not supported")
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+
+
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's per-frequency rope divisors (Llama 3.1+): read into the config
+
+
+def _weights(reader: GGUFReader) -> list[ReaderTensor]:
+    """The tensors that are model weights (not ``rope_freqs``)."""
+    return [t for t in reader.tensors if t.name != ROPE_FREQS]
+
+
+def llama3_scaling_from_rope_freqs(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
+    """HF's llama3 ``rope_scaling`` that gives exactly llama.cpp's ``rope_freqs`` (float32 ``[head_dim // 2]``: each
+    frequency is divided by its entry), or None when every entry is 1. llama.cpp's converter writes the tensor from
+    the HF parameters (``factor``, ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+    ``factor`` is the largest divisor and the others are searched over the values released models use. ``ValueError``
+    when no llama3 scaling reproduces the tensor (to 1e-4)."""
+    divisors = np.asarray(divisors, dtype=np.float64)
+    if divisors.shape != (head_dim // 2,):
+        raise ValueError(f"rope_freqs.weight has shape {list(divisors.shape)}, expected [{head_dim // 2}]")
+    if np.allclose(divisors, 1.0):
+        return None
+    factor = float(divisors.max())
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    # Llama 3.1 / 3.2's (8192, 1, 4) first; with few frequencies several sets give the same divisors - any does
+    candidates = [(8192, 1.0, 4.0)] + [(2 ** e, low, high) for e in range(4, 22) for low in (1.0, 0.5, 2.0, 4.0)
+                                       for high in (4.0, 2.0, 8.0, 16.0, 32.0) if high > low]
+    for original, low, high in candidates:
+        smooth = (original / wavelen - low) / (high - low)
+        expected = np.where(wavelen < original / high, 1.0,
+                            np.where(wavelen > original / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
+        if np.allclose(expected, divisors, rtol=1e-4, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                    "original_max_position_embeddings": original}
+    raise ValueError(f"rope_freqs.weight (largest divisor {factor:g}) matches no llama3 rope scaling; other "
+                     "per-frequency rope factors are not supported")
 
 
 def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -223,7 +259,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def _check_tensors(reader: GGUFReader, config: dict[str, Any]) -> None:
     """Fail before any dequantisation if a tensor is missing, unexpected or of the wrong shape."""
     expected = _expected_shapes(config)
-    found = {_hf_name(t.name): tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    found = {_hf_name(t.name): tuple(int(n) for n in reversed(t.shape)) for t in _weights(reader)}
     if missing := sorted(expected.keys() - found.keys()):
         raise ValueError(f"GGUF is missing tensors (HF names): {missing[:8]}{' ...' if len(missing) > 8 else ''}")
     if extra := sorted(found.keys() - expected.keys()):
@@ -262,7 +298,7 @@ def iter_hf_tensors(
     """
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     disable = None if _show_progress(reader, progress) else True  # None: tqdm hides itself off a terminal
-    with tqdm(reader.tensors, unit="tensor", desc="converting", disable=disable, leave=False) as bar:
+    with tqdm(_weights(reader), unit="tensor", desc="converting", disable=disable, leave=False) as bar:
         for tensor in bar:
             weight = _dequantize(tensor)
             kind = tensor.name.split(".")[-2]
@@ -294,6 +330,12 @@ def _read_header(path: str | os.PathLike, dtype: str) -> tuple[GGUFReader, GGUFM
     tokenizer, tokenizer_config, generation_config = build_tokenizer(md, arch)
     tied = all(t.name != "output.weight" for t in reader.tensors)
     config = _build_config(md, arch, len(md.require("tokenizer.ggml.tokens")), tied, dtype)
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is not None:
+        if config["rope_scaling"] is not None:
+            raise ValueError(f"{path} has both {config['rope_scaling']['rope_type']} rope scaling and rope_freqs")
+        config["rope_scaling"] = llama3_scaling_from_rope_freqs(_dequantize(freqs).numpy(), config["rope_theta"],
+                                                                config["head_dim"])
     # NOTE: every eos in config.json too (as Llama-3.1's has), so a loader that reads only config.json still stops.
     config["bos_token_id"] = generation_config["bos_token_id"]
     config["eos_token_id"] = generation_config["eos_token_id"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -284,7 +285,8 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    path: Path, arch: str = "qwen2", pre: str = "qwen2", rope_theta: float | None = 1e6, drop: tuple[str, ...] = ()
+    path: Path, arch: str = "qwen2", pre: str = "qwen2", rope_theta: float | None = 1e6, drop: tuple[str, ...] = (),
+    rope_freqs: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a tiny F32 GGUF the way llama.cpp would (Q/K permuted for llama); return its HF state dict."""
     tokens, merges, types = _toy_vocab()
@@ -320,6 +322,8 @@ def write_tiny_gguf(
             array = _llama_cpp_permute(array, heads[kind])
         if _gguf_name(name) not in drop:
             writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+    if rope_freqs is not None:  # llama.cpp writes Llama 3.1's rope scaling as this tensor
+        writer.add_tensor("rope_freqs.weight", np.ascontiguousarray(rope_freqs, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -481,3 +485,54 @@ def test_clear_errors_for_missing_or_non_gguf_files(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "open", unreadable)
     with pytest.raises(ValueError, match="cannot read GGUF file .*: Permission denied"):
         load_gguf(tmp_path / "model.safetensors")
+
+
+def _llama_cpp_rope_freqs(theta, head_dim, factor, low, high, original):
+    """llama.cpp `convert_hf_to_gguf.py` LlamaModel.generate_extra_tensors: Llama 3.1's divisor per frequency."""
+    factors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@pytest.mark.parametrize("factor,low,high,original", [(8.0, 1.0, 4.0, 64), (32.0, 1.0, 4.0, 32)])
+def test_rope_freqs_become_the_llama3_scaling_llama_cpp_applies(tmp_path, factor, low, high, original):
+    """A Llama-3.1-style GGUF (a `rope_freqs` tensor, as llama.cpp's converter writes it): the converted config
+    holds the llama3 rope scaling whose inverse frequencies are exactly llama.cpp's (freq / rope_freqs), and the
+    converted model's logits equal transformers' on that config and the same weights."""
+    head_dim, theta = _TINY["hidden"] // _TINY["heads"], 5e5
+    freqs = _llama_cpp_rope_freqs(theta, head_dim, factor, low, high, original)
+    assert 1.0 < freqs.max() and freqs.min() == 1.0  # the test's sizes hit all three regions
+    source = tmp_path / "llama31.gguf"
+    state = write_tiny_gguf(source, arch="llama", pre="llama-bpe", rope_theta=theta, rope_freqs=freqs)
+    out = convert_gguf(source, tmp_path / "converted")
+    scaling = json.loads((out / "config.json").read_text())["rope_scaling"]
+    # with head dim 8 (4 frequencies) several llama3 parameter sets give these divisors: any of them is exact
+    assert scaling["rope_type"] == "llama3" and scaling["factor"] == factor
+    from specdec.model.config import ModelConfig
+    from specdec.model.rope import inverse_frequencies
+
+    config = ModelConfig.from_json(str(out))
+    base = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    torch.testing.assert_close(inverse_frequencies(head_dim, theta, config.rope_scaling),
+                               (base / torch.from_numpy(freqs).double()).float(), rtol=1e-6, atol=0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(str(out))).eval()
+    reference.load_state_dict(state, strict=False)
+    reference.tie_weights()
+    ids = list(range(0, 60, 3))
+    torch.testing.assert_close(_logits(_load_hf(out), ids), _logits(reference, ids), atol=1e-5, rtol=0)
+    assert gguf_convert.llama3_scaling_from_rope_freqs(np.ones(head_dim // 2), theta, head_dim) is None
+    # Llama 3.2's real shape (head dim 64, theta 5e5, factor 32): the parameters themselves come back
+    real = _llama_cpp_rope_freqs(5e5, 64, 32.0, 1.0, 4.0, 8192)
+    assert gguf_convert.llama3_scaling_from_rope_freqs(real, 5e5, 64) == {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}
+    with pytest.raises(ValueError, match="matches no llama3 rope scaling"):
+        gguf_convert.llama3_scaling_from_rope_freqs(freqs[::-1].copy(), theta, head_dim)
