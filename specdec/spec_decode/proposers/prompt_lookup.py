@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from specdec.spec_decode.proposers.base import DraftProposal, ModelFreeProposer
-from specdec.spec_decode.proposers.token_trie import best_first_tree, check_tree_budgets, tree_proposal
+from specdec.spec_decode.proposers.token_trie import check_tree_budgets, support_trie, tree_proposal
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.tree import DraftTree
 
@@ -121,28 +121,9 @@ def prompt_lookup_tree(tokens: list[int], max_depth: int, max_nodes: int, min_ng
     chain = tokens[int(starts[0]) : int(starts[0]) + max_depth]
     if len(conts) == 1:  # every match agrees: the tree is the chain
         return DraftTree.chain(root, chain[:max_nodes])
-    # the trie: node -> {token: child}; per node its support (matches through it) and most recent match start
-    children: list[dict[int, int]] = [{}]
-    support, recency = [0], [-1]
-    for cont, (count, start) in conts.items():
-        node = 0
-        for token in cont:
-            child = children[node].get(token)
-            if child is None:
-                child = children[node][token] = len(support)
-                children.append({})
-                support.append(0)
-                recency.append(start)
-            support[child] += count
-            recency[child] = max(recency[child], start)
-            node = child
-
-    def expand(node: int) -> list[tuple[int, tuple, int]]:
-        kids = [(tok, (-support[c], -recency[c]), c) for tok, c in children[node].items()]
-        kids.sort(key=lambda kid: kid[1])  # sibling recencies differ: a total order
-        return kids
-
-    return best_first_tree(root, 0, expand, max_depth, max_nodes, chain if keep_chain else ())
+    # the trie: a node's support is the matches through it; ties go to the most recent match start
+    return support_trie(root, [(cont, count, -start) for cont, (count, start) in conts.items()], max_depth,
+                        max_nodes, chain if keep_chain else ())
 
 
 class PromptLookupProposer(ModelFreeProposer):

@@ -32,7 +32,7 @@ from collections import OrderedDict
 
 from specdec.spec_decode.proposers.base import DraftProposal, ModelFreeProposer
 from specdec.spec_decode.proposers.prompt_lookup import lookup_matches
-from specdec.spec_decode.proposers.token_trie import best_first_tree, check_tree_budgets, tree_proposal
+from specdec.spec_decode.proposers.token_trie import check_tree_budgets, support_trie, tree_proposal
 from specdec.spec_decode.request import RequestView
 from specdec.spec_decode.tree import DraftTree
 
@@ -129,28 +129,9 @@ def suffix_tree(root: int, conts: list[list[int]], max_depth: int, max_nodes: in
     ``max_nodes`` drafts: the chain first, then the nodes most matches pass through (ties: the better match)."""
     if not conts or max_depth <= 0 or max_nodes <= 0:
         return DraftTree((root,), (-1,))
-    depth = max_depth
-    children: list[dict[int, int]] = [{}]
-    support: list[int] = [0]
-    order: list[int] = [0]  # per node: the rank of the best match through it (lower = better)
-    for rank, cont in enumerate(conts):
-        node = 0
-        for token in cont[:depth]:
-            child = children[node].get(token)
-            if child is None:
-                child = children[node][token] = len(support)
-                children.append({})
-                support.append(0)
-                order.append(rank)
-            support[child] += 1
-            node = child
-
-    def expand(node: int) -> list[tuple[int, tuple, int]]:
-        kids = [(tok, (-support[c], order[c]), c) for tok, c in children[node].items()]
-        kids.sort(key=lambda kid: kid[1])  # sibling orders differ: a total order
-        return kids
-
-    return best_first_tree(root, 0, expand, depth, max_nodes, conts[0][:depth])
+    # a node's support: the matches through it; ties go to the better-ranked match
+    return support_trie(root, [(cont, 1, rank) for rank, cont in enumerate(conts)], max_depth, max_nodes,
+                        conts[0][:max_depth])
 
 
 class SuffixProposer(ModelFreeProposer):

@@ -103,6 +103,38 @@ def best_first_tree(root_token: int, root_state: Hashable, expand: Expand, max_d
     return _dfs(tokens, parents, ranks)
 
 
+def support_trie(root_token: int, continuations: Seq[tuple[Seq[int], int, float]], max_depth: int, max_nodes: int,
+                 chain: Seq[int] = ()) -> DraftTree:
+    """The token trie of match continuations under a node budget (prompt lookup's and suffix drafting's trees).
+
+    ``continuations``: ``(tokens, count, tie)`` per distinct continuation - ``count`` matches follow it, ``tie``
+    orders equally supported siblings (lower first). A node's support is the count of the continuations through it
+    and its tie the lowest of theirs; ``best_first_tree`` keeps ``chain`` first, then the best-supported nodes.
+    """
+    children: list[dict[int, int]] = [{}]
+    support: list[int] = [0]
+    ties: list[float] = [0.0]
+    for tokens, count, tie in continuations:
+        node = 0
+        for token in tokens[:max_depth]:
+            child = children[node].get(token)
+            if child is None:
+                child = children[node][token] = len(support)
+                children.append({})
+                support.append(0)
+                ties.append(tie)
+            support[child] += count
+            ties[child] = min(ties[child], tie)
+            node = child
+
+    def expand(node: int) -> list[tuple[int, tuple, int]]:
+        kids = [(tok, (-support[c], ties[c]), c) for tok, c in children[node].items()]
+        kids.sort(key=lambda kid: kid[1])
+        return kids
+
+    return best_first_tree(root_token, 0, expand, max_depth, max_nodes, chain)
+
+
 def _dfs(tokens: list[int], parents: list[int], ranks: list[Rank]) -> DraftTree:
     """Renumber kept nodes (parents before children) into DFS order, siblings by rank (stable)."""
     kids: list[list[int]] = [[] for _ in tokens]
