@@ -196,8 +196,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def _toy_vocab() -> tuple[list[str], list[str], list[int]]:
-    """256 byte tokens, merges spelling a few words, control and user-defined tokens, unused padding."""
+_LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+# Llama 3's chat template, shortened (no tools, no date header): the BOS as text, then one header block per turn
+_LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def _toy_vocab(llama3: bool = False) -> tuple[list[str], list[str], list[int]]:
+    """256 byte tokens, merges spelling a few words, control and user-defined tokens, unused padding (``llama3``:
+    Llama 3's special tokens too)."""
     alphabet = _bytes_to_unicode()
     tokens, merges = [alphabet[b] for b in range(256)], []
     for word in ("Ġthe", "Ġhello", "Ġworld", "def", "Ġreturn", "ĠĠĠĠ", "ing", "Ġ=", "Ċ"):
@@ -209,7 +219,8 @@ def _toy_vocab() -> tuple[list[str], list[str], list[int]]:
                 tokens.append(merged)
             current = merged
     types = [1] * len(tokens)
-    for token, kind in [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]:
+    specials = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]
+    for token, kind in specials + ([(t, 3) for t in _LLAMA3_SPECIALS] if llama3 else []):
         tokens.append(token)
         types.append(kind)
     tokens += ["[PAD0]", "[PAD1]"]
@@ -288,8 +299,11 @@ def write_tiny_gguf(
     path: Path, arch: str = "qwen2", pre: str = "qwen2", rope_theta: float | None = 1e6, drop: tuple[str, ...] = (),
     rope_freqs: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Write a tiny F32 GGUF the way llama.cpp would (Q/K permuted for llama); return its HF state dict."""
-    tokens, merges, types = _toy_vocab()
+    """Write a tiny F32 GGUF the way llama.cpp would (Q/K permuted for llama); return its HF state dict. ``pre``
+    "llama-bpe" writes a Llama 3 file: its special tokens, BOS added (``add_bos_token``), eos <|eot_id|>, its chat
+    template."""
+    llama3 = pre == "llama-bpe"
+    tokens, merges, types = _toy_vocab(llama3)
     tied = arch == "llama"
     state = _tiny_hf_state(arch, len(tokens), tied)
     writer = gguf.GGUFWriter(str(path), arch)
@@ -310,11 +324,11 @@ def write_tiny_gguf(
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_bos_token_id(tokens.index("<|begin_of_text|>" if llama3 else "<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index("<|eot_id|>" if llama3 else "<|im_end|>"))
     writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(_TEMPLATE)
+    writer.add_add_bos_token(llama3)
+    writer.add_chat_template(_LLAMA3_TEMPLATE if llama3 else _TEMPLATE)
     heads = {"self_attn.q_proj.weight": _TINY["heads"], "self_attn.k_proj.weight": _TINY["kv_heads"]}
     for name, tensor in state.items():
         array = tensor.numpy()
@@ -343,13 +357,17 @@ def test_tiny_gguf_converts_like_transformers_loads_it(tmp_path, arch, pre):
     for name, tensor in state.items():
         torch.testing.assert_close(model.state_dict[name], tensor, atol=0, rtol=0, msg=name)
 
-    tokens = _toy_vocab()[0]
+    tokens = _toy_vocab(pre == "llama-bpe")[0]
     config = json.loads((out / "config.json").read_text())
     assert config["vocab_size"] == len(tokens) and config["model_type"] == arch
     assert config["tie_word_embeddings"] is (arch == "llama")
     generation = json.loads((out / "generation_config.json").read_text())
     im_end, endoftext = tokens.index("<|im_end|>"), tokens.index("<|endoftext|>")
-    assert generation["eos_token_id"] == ([im_end, endoftext] if arch == "qwen2" else im_end)
+    if pre == "llama-bpe":  # Llama 3: <|eot_id|> (the file's eos), then the family's <|end_of_text|>
+        expected_eos = [tokens.index("<|eot_id|>"), tokens.index("<|end_of_text|>")]
+    else:
+        expected_eos = [im_end, endoftext] if pre == "qwen2" else im_end
+    assert generation["eos_token_id"] == expected_eos
 
     # Logits and tokenizer: our directory vs transformers reading the GGUF itself.
     ids = list(range(0, len(tokens), 7)) + [tokens.index("<|im_end|>")]
@@ -360,7 +378,7 @@ def test_tiny_gguf_converts_like_transformers_loads_it(tmp_path, arch, pre):
     for text in ["def hello():\n    return the world", "x = 12345 <|im_start|>hi<|im_end|>", " <tool_call> ok",
                  "h\u00e9llo w\u00f6rld 2024!! \u4f60\u597d", "a  \t\n\n   b    c 1234567", "it's WE'LL they'd"]:
         assert ours_tok.encode(text) == reference_tok.encode(text), text
-        assert ours_tok.decode(ours_tok.encode(text)) == text
+        assert ours_tok.decode(ours_tok.encode(text, add_special_tokens=False)) == text  # BOS aside: a round trip
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -536,3 +554,36 @@ def test_rope_freqs_become_the_llama3_scaling_llama_cpp_applies(tmp_path, factor
         "original_max_position_embeddings": 8192}
     with pytest.raises(ValueError, match="matches no llama3 rope scaling"):
         gguf_convert.llama3_scaling_from_rope_freqs(freqs[::-1].copy(), theta, head_dim)
+
+
+def test_a_llama3_gguf_tokenizes_chats_and_speculates_like_transformers(tmp_path):
+    """A Llama-3.2-style GGUF as llama.cpp writes it (llama-bpe, BOS by post-processor, Llama 3's chat template,
+    rope_freqs, Q/K permuted) loads from the .gguf itself: BOS added once (also when the template already renders
+    it), and greedy chat decoding - plain and with prompt lookup - equals transformers' on the converted weights."""
+    from helpers import small_llm
+
+    from specdec import SamplingParams, SpeculativeConfig
+
+    head_dim, theta = _TINY["hidden"] // _TINY["heads"], 5e5
+    source = tmp_path / "llama32.gguf"
+    write_tiny_gguf(source, arch="llama", pre="llama-bpe", rope_theta=theta,
+                    rope_freqs=_llama_cpp_rope_freqs(theta, head_dim, 32.0, 1.0, 4.0, 32))
+    tokens = _toy_vocab(llama3=True)[0]
+    bos = tokens.index("<|begin_of_text|>")
+    plain = small_llm(str(source), dtype="float32", max_model_len=128)
+    tok = plain.tokenizer
+    assert tok.encode("hello")[0] == bos
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hello world"}], add_generation_prompt=True)
+    assert prompt.startswith("<|begin_of_text|><|start_header_id|>user")
+    ids = tok.encode(prompt)
+    assert ids.count(bos) == 1 and ids[0] == bos
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ours = plain.chat([{"role": "user", "content": "hello world"}], params)[0].outputs[0].token_ids
+    spec = small_llm(str(source), dtype="float32", max_model_len=128,
+                     speculative=SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=3))
+    assert spec.chat([{"role": "user", "content": "hello world"}], params)[0].outputs[0].token_ids == ours
+    reference = _load_hf(Path(plain.engine.config.model_path))
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == expected
