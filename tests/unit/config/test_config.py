@@ -31,7 +31,7 @@ def test_llama_attention_bias_flag():
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"model_type": "mistral"}, "model_type 'mistral' is not supported; supported"),
+    ({"model_type": "gemma"}, "model_type 'gemma' is not supported; supported"),
     ({"rope_theta": None}, "no rope theta"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn' is not supported"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "llama3 rope scaling needs"),
