@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.checkpoint.loader import resolve_model_path
-from specdec.config.generation_defaults import sampling_defaults
+from specdec.config.generation_defaults import GENERATION_CONFIG_MODES, sampling_defaults
 from specdec.config.kv_pool_sizing import kv_pool_blocks
 from specdec.config.parallel import check_tensor_parallel_options
 from specdec.config.speculative import SpeculativeConfig
@@ -99,6 +99,8 @@ class EngineConfig:
         check_quantization(quantization, quantization_group_size)
         check_quantize_lm_head(quantize_lm_head, quantization)
         check_tensor_parallel_options(tensor_parallel_size, distributed_timeout_s, dev)
+        if generation_config not in GENERATION_CONFIG_MODES:  # before any download
+            sampling_defaults("", generation_config)  # raises, naming the modes
         path = resolve_model_path(model, revision)
         model_config = ModelConfig.from_json(path)
         defaults = sampling_defaults(path, generation_config)
@@ -114,12 +116,9 @@ class EngineConfig:
             raise ValueError(f"batch_invariant=True: the row-invariant attention takes a head dim that is a multiple "
                              f"of 16 up to 256 and at most 16 query heads per KV head; this model has head dim "
                              f"{model_config.head_dim}, {heads[0]} query and {heads[1]} KV heads per rank")
-        limit = model_config.max_position_embeddings
-        window = model_config.sliding_window
-        # a sliding window: sequences are kept within it, so attending the whole context is the window's attention
-        bound = "max_position_embeddings" if window is None or window >= limit else (
+        limit = model_config.position_limit  # a sliding window: sequences are kept within it (ModelConfig)
+        bound = "max_position_embeddings" if limit == model_config.max_position_embeddings else (
             "sliding_window: this model attends only its last positions, and longer sequences are not supported")
-        limit = limit if window is None else min(limit, window)
         if max_model_len is None:
             max_model_len = min(limit, 8192)
         if not isinstance(max_model_len, int) or not 1 <= max_model_len <= limit:

@@ -63,7 +63,7 @@ def _draft_spec(config: EngineConfig, spec: SpeculativeConfig, size: int) -> Mod
     check_quantized_tensor_parallel(draft_config, size, spec.draft_quantization, spec.draft_quantization_group_size,
                                     "draft model", "draft_quantization_group_size")
     dtype = draft_model_dtype(spec, draft_config, config)
-    max_positions = min(draft_config.max_position_embeddings, config.max_model_len)  # as proposers/factory.py
+    max_positions = min(draft_config.position_limit, config.max_model_len)  # as proposers/factory.py
     gguf = config.gguf_source if is_self else gguf_source_of(spec.draft_model, path)
     prepack = False if config.prepack_weights is False else None  # its dtype may not support prepacking
     return ModelSpec(path, draft_config, dtype, max_positions + 1, config.num_kv_blocks, config.block_size, prepack,

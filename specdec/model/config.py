@@ -125,6 +125,14 @@ class ModelConfig:
         )
 
     @property
+    def position_limit(self) -> int:
+        """The longest sequence this model runs exactly here: ``max_position_embeddings``, or its sliding window when
+        shorter (within the window, attending the whole context is the window's attention)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @property
     def num_params(self) -> int:
         """Parameter count (used for bandwidth figures)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

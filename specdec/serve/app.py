@@ -130,6 +130,7 @@ class _Server:
         self.model_name = model_name
         self.request_timeout = request_timeout
         self.tokenizer = async_engine.engine.tokenizer
+        self.sampling_defaults = async_engine.engine.config.sampling_defaults  # the model's (generation_config.json)
         self.chat_template = chat_template  # None: the model's default
 
     async def handle(self, request: Request, chat: bool) -> Response:
@@ -138,9 +139,8 @@ class _Server:
                 body = json.loads(await request.body())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise RequestError(f"the request body is not valid JSON: {e}") from None
-            defaults = self.engine.engine.config.sampling_defaults
-            req = (parse_chat(body, self.model_name, defaults) if chat
-                   else parse_completion(body, self.model_name, defaults))
+            req = (parse_chat(body, self.model_name, self.sampling_defaults) if chat
+                   else parse_completion(body, self.model_name, self.sampling_defaults))
             if chat:
                 req.prompts = [self._render(req)]
             streams = await self._add_all(req, getattr(request.state, "tenant", None))

@@ -121,7 +121,8 @@ def test_qwen_sliding_window_on_some_layers_only_is_refused():
     with pytest.raises(ValueError, match="max_window_layers=2 below num_hidden_layers=4"):
         ModelConfig.from_dict(raw)
     assert ModelConfig.from_dict({**raw, "use_sliding_window": False}).sliding_window is None
-    assert ModelConfig.from_dict({**raw, "max_window_layers": 4}).sliding_window == 8
+    windowed = ModelConfig.from_dict({**raw, "max_window_layers": 4, "max_position_embeddings": 64})
+    assert windowed.sliding_window == 8 and windowed.position_limit == 8  # what a draft's positions are capped by
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])

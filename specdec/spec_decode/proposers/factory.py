@@ -134,7 +134,7 @@ def _load_draft_model(config: EngineConfig, spec: SpeculativeConfig, tokenizer: 
             raise ValueError("draft_model='self' needs the target model to share its embedding with")
         shared = target_model.embed_tokens.weight if share else None
     # the draft writes positions up to max_model_len - 1 at most, like the target
-    max_positions = min(draft_config.max_position_embeddings, config.max_model_len)
+    max_positions = min(draft_config.position_limit, config.max_model_len)
     subset = (read_draft_vocab(spec.draft_vocab, spec.draft_vocab_size, config.model_config.vocab_size,
                                draft_config.vocab_size) if spec.draft_vocab is not None else None)
     if shard is not None:  # sharded over every rank (specdec/engine/tensor_parallel.py loaded it)

@@ -100,7 +100,7 @@ class SuffixIndex:
             n = KEY_LEN
             while n < span and pos - n - 1 >= 0 and tokens[pos - n - 1] == context[-n - 1]:
                 n += 1
-            if n >= MIN_MATCH and pos < len(tokens):
+            if n >= MIN_MATCH:  # pos < len(tokens): a position is indexed only when a token follows it
                 out.append((n, doc, tokens[pos:pos + MAX_MATCH]))
         return out
 

@@ -49,6 +49,8 @@ def test_llm_generate_without_params_uses_the_models_defaults(tiny_pair, tmp_pat
                      generation_config="none").get_default_sampling_params().max_tokens == 16
     with pytest.raises(ValueError, match="generation_config 'x' is not supported"):
         small_llm(str(folder), dtype="float32", max_model_len=64, generation_config="x")
+    with pytest.raises(ValueError, match="generation_config 'x' is not supported"):  # before any hub download
+        small_llm("nobody/not-a-model", generation_config="x")
 
 
 def test_server_requests_take_the_defaults_for_fields_they_leave_unset():
