@@ -8,7 +8,9 @@ model's):
   fp32 F.linear, bf16 prepacked (oneDNN, ``specdec.model.linear.Linear``), int8 w8a8 (per-row int8 activations;
   bf16 input) by specdec's native kernel and by oneDNN's int8 GEMM, int8 torch ``_weight_int8pack_mm`` (weight-only,
   bf16), int4 g32 w4a8 (the C kernel of ``specdec/model/quant/native.py``: int4 weights x per-block int8
-  activations, VNNI), int4 g32 int4pack (``_weight_int4pack_mm_for_cpu``, bf16).
+  activations, VNNI), int4 g32 int4pack (``_weight_int4pack_mm_for_cpu``, bf16); GGUF blocks as ``quantization=
+  "gguf"`` holds them (Q4_K: w4a8 with fp32 scales; Q6_K / Q5_0: w8g in groups of 16 / 32); the batch-invariant bf16
+  GEMM (kernels/cpu/gemm.py, the default bf16 path where it builds).
 Each repetition times every (rows, path) once, interleaved, so a noisy neighbour hits all paths alike, and writes a
 64 MiB buffer before every call so the weight comes from memory, not from the last-level cache, as it does in a
 model's forward (a model's linears together are far larger than the cache). NOTE: without that flush a 14 MB int8
@@ -25,7 +27,10 @@ import time
 import torch
 
 from bench.common import add_record_flag, machine_info, median, print_table, set_threads, write_json
+from specdec.kernels.cpu import gemm
 from specdec.model.linear import Linear
+from specdec.model.quant import native
+from specdec.model.quant.formats import quantize_int4
 from specdec.model.quant.linear import QuantizedLinear
 
 
@@ -50,7 +55,32 @@ def _paths(n: int, k: int) -> dict[str, tuple]:
         q4.prepare(torch.device("cpu"), cpu_path)
         if q4.path in ("w4a8", "int4pack"):
             paths[f"int4 g32 {q4.path}"] = (q4, torch.bfloat16)
+    paths.update(_kept_gguf_paths(w))
+    if gemm.available():  # the batch-invariant bf16 GEMM (the default bf16 path where it is built)
+        packed = gemm.pack_bf16(w.to(torch.bfloat16))
+        paths[f"bf16 invariant ({gemm.backend()})"] = (lambda x, p=packed: gemm.gemm_bf16(x, p, n), torch.bfloat16)
     del w
+    return paths
+
+
+def _kept_gguf_paths(w: torch.Tensor) -> dict[str, tuple]:
+    """GGUF blocks as ``quantization="gguf"`` holds them (random values of each type's form): Q4_K as int4 g32
+    with fp32 scale d * sc and offset -(dmin * m) (w4a8, fp32 scales), Q6_K as int8 g16 and Q5_0 / Q8_0 as int8 g32
+    with fp32 scales (w8g)."""
+    n, k = w.shape
+    if not native.available():
+        return {}
+    q4, _, _ = quantize_int4(w, 32)
+    d = torch.rand(n, k // 256).repeat_interleave(8, 1).half().float() * 1e-3 + 1e-5  # one d per 256, as Q4_K
+    sc, mins = torch.randint(1, 64, (n, k // 32)).float(), torch.randint(0, 64, (n, k // 32)).float()
+    q4k = QuantizedLinear(q4, d * sc, -(d * mins), 4, exact_scales=True)
+    q4k.prepare(torch.device("cpu"))
+    paths = {"Q4_K as stored (w4a8 fp32 scales)": (q4k, torch.bfloat16)}
+    for name, group, lo in (("Q6_K", 16, -32), ("Q5_0", 32, -16)):
+        q = torch.randint(lo, -lo, (n, k), dtype=torch.int8)
+        lin = QuantizedLinear(q, torch.rand(n, k // group) * 1e-3 + 1e-5, None, 8, exact_scales=True)
+        lin.prepare(torch.device("cpu"))
+        paths[f"{name} as stored (w8g g{group})"] = (lin, torch.bfloat16)
     return paths
 
 

@@ -9,7 +9,10 @@ from the embedding a chunk at a time once it is loaded), allocates the rest in t
 checkpoint: the parts of a linear (q/k/v, gate/up) are gathered until complete, quantised into a
 ``QuantizedLinear`` and freed. With a GGUF source, a Q4_0 / Q4_1 / Q8_0 tensor whose format maps exactly onto the
 scheme asked for (int4 / int8 with group 32) is taken from the GGUF blocks unchanged (gguf_blocks.py); other
-tensors are quantised from their dequantised values.
+tensors are quantised from their dequantised values. ``quantization="gguf"`` takes every linear whose blocks map
+onto one of our formats (Q4_0 / Q4_1 / Q4_K -> int4, Q8_0 / Q5_0 / Q6_K -> int8) from the file unchanged, and
+keeps the others dense in the model dtype (the file's float tensors, and Q5_1 / Q5_K / ... dequantised): the
+model runs the weights the file holds, nothing quantised again.
 
 Under tensor parallelism (a model built with ``group=``) each rank quantises its own shard: every linear's slice
 (``ShardLayout.slice_of``: rows of q/k/v, gate/up and the LM head, columns of o_proj and down_proj) is read and
@@ -28,11 +31,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdec.checkpoint.gguf_blocks import BLOCK, kept_scheme, read_blocks, unpermute_rows
+from specdec.checkpoint.gguf_blocks import BLOCK, kept_scheme, kept_type, read_blocks, unpermute_rows
 from specdec.checkpoint.safetensors_reader import TensorEntry, TensorSlice
 from specdec.model.linear import Linear
 from specdec.model.quant.formats import dequantize, quantize_int4, quantize_int8
-from specdec.model.quant.linear import DEFAULT_GROUP_SIZE, QuantizedLinear
+from specdec.model.quant.linear import DEFAULT_GROUP_SIZE, QuantizedLinear, RowStack
 
 
 class _Pending(nn.Module):
@@ -59,7 +62,7 @@ class _KeptBlocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.scale.shape[1] * BLOCK
+        return self.q.shape[0], self.q.shape[1] * (2 if self.offset is not None else 1)
 
     def narrow(self, dim: int, start: int, length: int) -> _KeptBlocks:
         if dim == 0:
@@ -97,14 +100,23 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     shares the target's. ``quantize_lm_head``: None - quantise an untied head, keep a tied one in ``dtype``; True -
     quantise the head either way (a tied head becomes a ``QuantizedLinear`` of the embedding's rows, the embedding
     itself stays for the lookup); False - never quantise the head.
-    Returns counts: {"kept": linears taken from GGUF blocks unchanged, "quantized": others}.
+    Returns counts: {"kept": linears taken from GGUF blocks unchanged, "quantized": others, and with "gguf"
+    "dense": linears left in ``dtype``}.
     """
     group = group_size if group_size is not None or quantization is None else DEFAULT_GROUP_SIZE[quantization]
+    as_stored = quantization == "gguf"
+    if as_stored and not gguf_path:
+        raise ValueError("quantization='gguf' runs a GGUF file's own blocks: pass a .gguf model (this model is not "
+                         "one); for other checkpoints use 'int8' or 'int4'")
+    gguf = _GGUFKept(gguf_path, model.config, quantization, group) if gguf_path and quantization else None
+    keep = gguf.keepable_modules(model) if as_stored else None  # "gguf": the linears held as stored
     pending: dict[str, _Pending] = {}
     tied = model.config.tie_word_embeddings
     for name, module in list(model.named_modules()):
         if name == "lm_head" and (tied or quantize_lm_head is False):
             continue
+        if keep is not None and name not in keep:
+            continue  # "gguf": stays a dense Linear, loaded from the converted checkpoint
         if quantization is not None and isinstance(module, Linear):
             parts = 3 if name.endswith("qkv_proj") else 2 if name.endswith("gate_up_proj") else 1
             pending[name] = _Pending(module, parts)
@@ -117,17 +129,27 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
         model.embed_tokens.weight = shared_embedding
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    gguf = _GGUFKept(gguf_path, model.config, quantization, group) if gguf_path and quantization else None
     layout = model.layout  # a tensor-parallel rank's shard, or the whole model
     counts = {"kept": 0, "quantized": 0}
+    if as_stored:
+        counts["dense"] = sum(isinstance(m, Linear) and m.weight is not model.embed_tokens.weight
+                              for m in model.modules())
 
     def finish(name: str, p: _Pending) -> None:
         kinds = {part[0] for part in p.parts.values()}
         ordered = [p.parts[i] for i in range(p.num_parts)]
-        if kinds == {"kept"}:
+        exact = kinds == {"kept"}
+        if exact and len({(t[1].dtype, t[2].shape[1]) for t in ordered}) > 1:
+            _set_module(model, name, _row_stack(ordered, p.bias, device, cpu_path))  # parts in different formats
+            counts["kept"] += 1
+            return
+        if exact:
             q, scale = torch.cat([t[1] for t in ordered]), torch.cat([t[2] for t in ordered])
             offset = torch.cat([t[3] for t in ordered]) if ordered[0][3] is not None else None
+            bits = 4 if offset is not None else 8
             counts["kept"] += 1
+        elif as_stored:
+            raise AssertionError(f"{name}: quantization='gguf' reached a part that is not kept")
         else:
             if kinds == {"file"}:  # one tensor, read a chunk of rows at a time (an LM head's fp32 rows: V x hidden)
                 piece = ordered[0][1]
@@ -146,12 +168,13 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
             if group is not None and shape[1] % group:
                 raise ValueError(f"quantization_group_size {group} does not divide {name}'s input width {shape[1]}")
             q, scale, offset = _quantize_rows_in_chunks(rows_of, shape[0], quantization, group)
+            bits = 8 if quantization == "int8" else 4
             rows_of = None  # drops the module's fp32 rows
             counts["quantized"] += 1
         q, scale, offset = _pad_rows(q, scale, offset, p.shape[0])  # the last LM-head shard's padding rows
         bias = p.bias.detach() if p.bias is not None else None
         ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
-                             8 if quantization == "int8" else 4, bias)
+                             bits, bias, exact_scales=exact)
         ql.prepare(device, cpu_path)
         _set_module(model, name, ql)
         if (counts["kept"] + counts["quantized"]) % _TRIM_EVERY == 0:  # glibc keeps freed temporaries otherwise
@@ -185,7 +208,7 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     model.load_weights(rest())
     if pending:
         raise ValueError(f"checkpoint is missing linear weights: {sorted(pending)[:8]}")
-    if tied and quantize_lm_head and quantization is not None:
+    if tied and quantize_lm_head and quantization is not None and not as_stored:
         embedding = model.embed_tokens.weight.detach()  # (V, H) in dtype: quantised a chunk of rows at a time
         q, scale, offset = _quantize_rows_in_chunks(functools.partial(_rows, embedding), embedding.shape[0],
                                                     quantization, group)
@@ -196,6 +219,21 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     _release_freed_heap()
     model.quant_counts = counts  # how the linears were made (bench / tests read it)
     return counts
+
+
+def _row_stack(parts: list[tuple], bias: torch.Tensor | None, device: torch.device, cpu_path: str) -> RowStack:
+    """Kept parts ``("kept", q, scale, offset)`` of one fused linear in different formats, each its own
+    ``QuantizedLinear`` on its rows (the fused bias split to match)."""
+    linears, row = [], 0
+    for _, q, scale, offset in parts:
+        rows = q.shape[0]
+        part_bias = bias.detach()[row : row + rows] if bias is not None else None
+        ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
+                             4 if offset is not None else 8, part_bias, exact_scales=True)
+        ql.prepare(device, cpu_path)
+        linears.append(ql)
+        row += rows
+    return RowStack(linears)
 
 
 _TRIM_EVERY = 8  # modules quantised between two returns of the freed heap to the OS (each return costs ~0.1 s)
@@ -262,18 +300,42 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 class _GGUFKept:
-    """The GGUF tensors that map exactly onto the scheme asked for (see gguf_blocks.py), by HF name."""
+    """The GGUF tensors kept as stored, by HF name (see gguf_blocks.py): those that map exactly onto the scheme
+    asked for ("int4" / "int8" with group 32), or with "gguf" every type of ``gguf_blocks.KEPT``."""
 
-    def __init__(self, path: str, config, quantization: str, group_size: int):
+    def __init__(self, path: str, config, quantization: str, group_size: int | None):
         from specdec.checkpoint.gguf import _hf_name, open_gguf
 
         self.tensors = {}
-        if group_size == 32:  # GGUF's blocks are 32 wide: another group size needs requantising
-            for t in open_gguf(path).tensors:
-                if kept_scheme(t.tensor_type.name) == quantization and t.name.endswith(".weight") and len(t.shape) == 2:
-                    self.tensors[_hf_name(t.name)] = t
+        self.types: dict[str, str] = {}  # HF name -> GGUF type of every 2-D weight (what "gguf" decides by)
+        for t in open_gguf(path).tensors:
+            if not (t.name.endswith(".weight") and len(t.shape) == 2) or t.name == "token_embd.weight":
+                continue
+            name, type_name = _hf_name(t.name), t.tensor_type.name
+            self.types[name] = type_name
+            if quantization == "gguf":
+                keep = kept_type(type_name) is not None
+            else:  # GGUF's blocks are 32 wide: another group size needs requantising
+                keep = group_size == 32 and kept_scheme(type_name) == quantization
+            if keep:
+                self.tensors[name] = t
         self.heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
         self.permuted = config.model_type == "llama"  # llama.cpp permutes llama's Q/K rows for its rope
+
+    def keepable_modules(self, model) -> set[str]:
+        """The linears of ``model`` whose parts are all kept: "gguf" holds them as stored (a fused linear whose
+        parts differ in format - q/k Q4_K with v Q6_K - as a ``RowStack``)."""
+        formats: dict[str, dict[int, tuple[int, int]]] = {}
+        for hf_name, type_name in self.types.items():
+            module, shard = _linear_of(model, hf_name.removeprefix("model."))
+            kind = kept_type(type_name) if hf_name in self.tensors else None
+            formats.setdefault(module, {})[shard] = (kind.bits, kind.group) if kind else None
+        keep = set()
+        for module, parts in formats.items():
+            expected = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
+            if len(parts) == expected and None not in parts.values():
+                keep.add(module)
+        return keep
 
     def read(self, hf_name: str) -> tuple | None:
         tensor = self.tensors.get(hf_name)

@@ -118,8 +118,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                         help="as LLM(enable_prefix_caching=False): compute every prompt in full, share no KV blocks")
-    parser.add_argument("--quantization", default=None, choices=("int8", "int4"),
-                        help="as LLM(quantization=): int8 per channel or int4 per group (default: none)")
+    parser.add_argument("--quantization", default=None, choices=("int8", "int4", "gguf"),
+                        help="as LLM(quantization=): int8 per channel, int4 per group, or gguf (a .gguf model's own "
+                             "blocks as stored) (default: none)")
     parser.add_argument("--quantization-group-size", type=_positive_int, default=None,
                         help="as LLM(quantization_group_size=): default int8 per channel, int4 32")
     parser.add_argument("--quantize-lm-head", action="store_true", default=None,
@@ -199,7 +200,7 @@ def _speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-model", default=None,
                        help="draft model for draft_model / combined ('self': the target's checkpoint again); the "
                             "EAGLE-3 head for eagle3")
-    group.add_argument("--draft-quantization", default=None, choices=("int8", "int4"),
+    group.add_argument("--draft-quantization", default=None, choices=("int8", "int4", "gguf"),
                        help="as SpeculativeConfig(draft_quantization=)")
     group.add_argument("--draft-quantize-lm-head", action="store_true", default=None,
                        help="as SpeculativeConfig(draft_quantize_lm_head=True)")

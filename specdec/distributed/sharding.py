@@ -56,6 +56,9 @@ def check_quantized_tensor_parallel(config: ModelConfig, size: int, quantization
     boundary: each rank quantises its own columns. Per-channel int8 (no group) shards anywhere."""
     if size == 1 or quantization is None:
         return
+    if quantization == "gguf":
+        raise ValueError(f"quantization='gguf' (the {what}'s GGUF blocks as stored) runs on one process; with "
+                         f"tensor_parallel_size={size} use 'int8' or 'int4'")
     group = group_size if group_size is not None else {"int8": None, "int4": 32}[quantization]
     if group is None:
         return

@@ -56,7 +56,7 @@ def test_greedy_parity_bf16_target_quantised_small_draft(tiny_pair):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"quantization": "fp8"}, "'int8' or 'int4'"),
+    ({"quantization": "fp8"}, "'int8', 'int4' or 'gguf'"),
     ({"quantization": "int4", "quantization_group_size": 48}, "does not divide"),
     ({"quantization_group_size": 32}, "without quantization"),
 ])

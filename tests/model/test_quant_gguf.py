@@ -1,7 +1,9 @@
 """GGUF Q4_0 / Q4_1 / Q8_0 linears kept quantised: read straight into our int4 / int8 formats (group 32), they
 dequantise to exactly what ``gguf``'s own dequantisation gives (the converted folder holds that, un-permuted for
-llama); other types, or another group size, are quantised again from the dequantised values. Tiny GGUF files are
-written here with ``gguf``'s writer; the default model's file (SmolLM2, Q4_1) is checked too where installed."""
+llama); other types, or another group size, are quantised again from the dequantised values. With
+``quantization="gguf"`` every linear is held in its file's format (Q4_K / Q6_K / Q5_0 too), or dense where none of ours
+fits. Tiny GGUF files are written here with ``gguf``'s writer (random valid blocks for the K-quants, which ``gguf``
+cannot quantise); the default model's file (SmolLM2, Q4_1) is checked too where installed."""
 
 from __future__ import annotations
 
@@ -136,3 +138,122 @@ def test_default_model_keeps_its_q4_1_linears():
     t = blk0["blk.0.ffn_down.weight"]
     expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
     assert torch.equal(down, torch.from_numpy(expected))
+
+
+# --- quantization="gguf": every linear in the format its file stores it in -------------------------------------
+
+_K_TYPES = {  # tensor -> GGUF type, as a Q4_K_M file mixes them (layer 1's ffn_down: a type we keep dense)
+    "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
+    "ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q6_K", "output": "Q5_K",
+}
+# block bytes, then (offset, scale) of each fp16 field: random bytes elsewhere are valid blocks
+_BLOCKS = {"Q4_K": (144, [(0, 2e-4), (2, 2e-4)]), "Q6_K": (210, [(208, 5e-5)]), "Q5_0": (22, [(0, 1e-2)]),
+           "Q8_0": (34, [(0, 1e-3)]), "Q5_K": (176, [(0, 1e-4), (2, 1e-4)])}
+
+
+def _random_blocks(n: int, k: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
+    """uint8 ``[n, bytes per row]``: random valid ``qtype`` blocks (finite fp16 scales of a sensible size)."""
+    size, fields = _BLOCKS[qtype]
+    elems = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    raw = rng.integers(0, 256, (n, k // elems, size), dtype=np.uint8)
+    for at, scale in fields:
+        raw[..., at : at + 2] = (rng.random((n, k // elems, 1)) * scale + scale / 4).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def write_k_quant_gguf(path, arch: str, monkeypatch) -> None:
+    """``test_gguf.write_tiny_gguf``'s model widened to 256 (a K-quant super-block) with its linears stored as
+    ``_K_TYPES`` says: q/k Q4_K beside v Q6_K and gate Q4_K beside up Q8_0 (fused linears of mixed formats)."""
+    monkeypatch.setitem(tg._TINY, "hidden", 256)
+    monkeypatch.setitem(tg._TINY, "ffn", 256)
+    rng = np.random.default_rng(0)
+    real_add = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, array, *args, **kwargs):
+        kind = name.removesuffix(".weight").split(".")[-1]
+        if name.endswith(".weight") and array.ndim == 2 and kind in _K_TYPES:
+            qtype = "Q5_K" if name == "blk.1.ffn_down.weight" else _K_TYPES[kind]
+            data = _random_blocks(*array.shape, qtype, rng)
+            return real_add(self, name, data, *args, raw_dtype=gguf.GGMLQuantizationType[qtype], **kwargs)
+        return real_add(self, name, array, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    tg.write_tiny_gguf(path, arch=arch, pre="qwen2" if arch == "qwen2" else "smollm")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", real_add)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gguf_mode_runs_the_files_own_weights(tmp_path, monkeypatch, arch):
+    """Q4_K / Q6_K / Q5_0 / Q8_0 linears are held as stored (exactly gguf's dequantisation, Q/K un-permuted for
+    llama; fused q/k/v and gate/up of mixed formats as a ``RowStack``); a Q5_K linear, which maps onto none of our
+    formats, stays dense with the converted values - nothing is quantised again."""
+    from specdec.model.linear import Linear
+    from specdec.model.quant.linear import RowStack
+
+    path = tmp_path / "tiny.gguf"
+    write_k_quant_gguf(path, arch, monkeypatch)
+    for t in gguf.GGUFReader(path).tensors:
+        if t.tensor_type.name in ("Q4_K", "Q6_K", "Q5_0"):
+            q, s, o = read_blocks(t)
+            expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
+            assert torch.equal(dequantize(q, s, o, 8 if o is None else 4), torch.from_numpy(expected)), t.name
+    folder = convert_gguf(path, tmp_path / "hf")
+    model, counts = _load(folder, str(path), "gguf", group=None)
+    reference = _fused_reference(folder, model)
+    dense = {"layers.1.mlp.down_proj"} | ({"lm_head"} if arch == "qwen2" else set())  # llama: head tied
+    assert counts == {"kept": len(reference) - len(dense), "quantized": 0, "dense": len(dense)}
+    for name, module in model.named_modules():
+        if name not in reference:
+            continue
+        if name in dense:
+            assert type(module) is Linear and torch.equal(module.weight, reference[name]), name
+            continue
+        assert isinstance(module, RowStack) == name.endswith(("qkv_proj", "gate_up_proj")), name
+        parts = module.parts if isinstance(module, RowStack) else [module]
+        assert torch.equal(torch.cat([p.dequantize() for p in parts]), reference[name]), name
+    groups = {p.group_size for m in model.modules() if isinstance(m, RowStack) for p in m.parts}
+    assert groups == {16, 32}
+
+
+def test_gguf_mode_speculates_exactly_in_bf16(tmp_path, monkeypatch):
+    """With the file's blocks on the native paths (w4a8 with fp32 scales, w8g) in bf16, greedy prompt lookup and
+    n-gram drafting give plain greedy decoding's tokens: every kept format is row-invariant."""
+    from helpers import small_llm
+
+    from specdec import SamplingParams, SpeculativeConfig
+    from specdec.model.quant import native
+
+    if not native.available():
+        pytest.skip("no AVX-512 VNNI or no C compiler here: the kept formats run weight_only")
+    path = tmp_path / "tiny.gguf"
+    write_k_quant_gguf(path, "qwen2", monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["hello world hello world hello", "the cat the cat the dog"]
+    plain = small_llm(str(path), dtype="bfloat16", max_model_len=128, quantization="gguf")
+    paths = {getattr(m, "path", None) for m in plain.engine.model.modules()}
+    assert {"w4a8", "w8g"} <= paths
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    for method in ("prompt_lookup", "ngram_table"):
+        spec = small_llm(str(path), dtype="bfloat16", max_model_len=128, quantization="gguf",
+                         speculative=SpeculativeConfig(method=method, num_speculative_tokens=3))
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected, method
+
+
+def test_gguf_mode_is_refused_without_a_gguf(tmp_path):
+    from helpers import small_llm
+    from tiny_models import make_tiny_model
+
+    make_tiny_model(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="pass a .gguf model"):
+        small_llm(str(tmp_path / "m"), quantization="gguf")
+
+
+def test_gguf_mode_is_refused_under_tensor_parallelism():
+    from specdec.distributed.sharding import check_quantized_tensor_parallel
+
+    config = ModelConfig.from_dict({"model_type": "qwen2", "hidden_size": 256, "intermediate_size": 256,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+                                    "vocab_size": 64, "rope_theta": 1e6, "rms_norm_eps": 1e-6})
+    check_quantized_tensor_parallel(config, 1, "gguf", None)  # one process: fine
+    with pytest.raises(ValueError, match="runs on one process"):
+        check_quantized_tensor_parallel(config, 2, "gguf", None)

@@ -242,8 +242,8 @@ def test_quantize_linears_skips_a_tied_head():
 
 
 @pytest.mark.parametrize("args,match", [
-    (("int3", None), "'int8' or 'int4'"), (("int4", 3), "even"), (("int8", 0), ">= 2"),
-    ((None, 32), "without"), (("int4", True), "integer"),
+    (("int3", None), "'int8', 'int4' or 'gguf'"), (("int4", 3), "even"), (("int8", 0), ">= 2"),
+    ((None, 32), "without"), (("int4", True), "integer"), (("gguf", 32), "file's own groups"),
 ])
 def test_bad_settings_are_refused(args, match):
     with pytest.raises(ValueError, match=match):

@@ -11,6 +11,8 @@ model's output for a row does not depend on how many rows a forward has (decode 
   where it builds, else by oneDNN's int8 GEMM (``backend "onednn"``): the same arithmetic, bit for bit.
 - ``"w4a8"`` (CPU with AVX-512 VNNI and a C compiler, int4 with a group that is a multiple of 32): the C kernel of
   specdec/model/quant/native.py - int4 weights times per-block int8 activations, each weight read once for 16 rows.
+- ``"w8g"`` (the same CPUs, int8 in groups of 16 or of a multiple of 32 - GGUF's Q8_0 / Q5_0 / Q6_K kept as
+  stored): native.py's grouped int8 kernel - int8 weights times per-block int8 activations, as w4a8.
 - ``"int4pack"`` (CPU, int4 with group 32/64/128/256, where w4a8 is unavailable): torch's
   ``_weight_int4pack_mm_for_cpu`` in bf16.
 
@@ -28,21 +30,26 @@ from specdec.model.linear import Linear
 from specdec.model.quant import cpu_paths, native
 from specdec.model.quant.formats import BITS, quantize_int4, quantize_int8, unpack_int4
 
-QUANTIZATIONS = ("int8", "int4")
-DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32}  # int8 per output channel; int4 per 32 inputs (GGUF's block)
+# "gguf": a GGUF model's linears in the formats its file stores them in (specdec/checkpoint/gguf_blocks.py)
+QUANTIZATIONS = ("int8", "int4", "gguf")
+DEFAULT_GROUP_SIZE = {"int8": None, "int4": 32, "gguf": None}  # int8 per channel; int4 per 32 inputs (GGUF's block)
 # "torch": torch's / oneDNN's CPU kernels only, not specdec's native ones (int4pack for int4, oneDNN for w8a8)
 CPU_PATHS = ("auto", "weight_only", "torch")
 
 
 def check_quantization(quantization: object, group_size: object, what: str = "quantization") -> None:
-    """``ValueError`` unless ``quantization`` is None / "int8" / "int4" and ``group_size`` is None or an integer
-    >= 2 (even for int4); None means the scheme's default (int8: per channel, int4: 32)."""
+    """``ValueError`` unless ``quantization`` is None / "int8" / "int4" / "gguf" and ``group_size`` is None or an
+    integer >= 2 (even for int4; None for gguf, whose groups are the file's); None means the scheme's default (int8:
+    per channel, int4: 32)."""
     if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"{what} must be None, 'int8' or 'int4', got {quantization!r}")
+        raise ValueError(f"{what} must be None, 'int8', 'int4' or 'gguf' (a GGUF's own blocks), got {quantization!r}")
     if group_size is None:
         return
     if quantization is None:
         raise ValueError(f"{what}_group_size={group_size!r} given without {what}")
+    if quantization == "gguf":
+        raise ValueError(f"{what}='gguf' keeps the file's own groups: {what}_group_size must be None, "
+                         f"got {group_size!r}")
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2 or (
             quantization == "int4" and group_size % 2):
         raise ValueError(f"{what}_group_size must be None (int8: per channel, int4: 32) or an integer >= 2 (even for "
@@ -56,15 +63,20 @@ def check_quantize_lm_head(value: object, quantization: object, what: str = "qua
         raise ValueError(f"{what} must be None, True or False, got {value!r}")
     if value is True and quantization is None:
         raise ValueError(f"{what}=True needs a quantization scheme ('int8' or 'int4') to quantise the head with")
+    if value is True and quantization == "gguf":
+        raise ValueError(f"{what}=True with quantization='gguf': the head runs as the file stores it (an untied "
+                         f"head's blocks; a tied head is the embedding); use 'int8' or 'int4' to quantise it")
 
 
 class QuantizedLinear(nn.Module):
     """``y = x @ dequant(W).T + bias`` for ``x [..., in_features]`` (fp32 / bf16 / fp16) -> ``[..., out_features]``
     in ``x``'s dtype. Buffers: ``qweight`` (int8 ``[N, K]`` or packed uint8 ``[N, K // 2]``), ``scale`` fp32
-    ``[N, G]``, ``offset`` fp32 ``[N, G]`` (int4) or None; ``bias`` a parameter in the model dtype or None."""
+    ``[N, G]``, ``offset`` fp32 ``[N, G]`` (int4) or None; ``bias`` a parameter in the model dtype or None.
+    ``exact_scales``: the scales are a file's own (kept GGUF blocks) and every path must multiply by them exactly
+    (w4a8 then holds them in fp32 where fp16 cannot)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, exact_scales: bool = False):
         super().__init__()
         assert bits in (4, 8), f"bits must be 4 or 8, got {bits}"
         self.bits = bits
@@ -80,6 +92,7 @@ class QuantizedLinear(nn.Module):
         self.bias_fp32: torch.Tensor | None = None  # the native kernels' bias, converted once in prepare()
         self.state: tuple | None = None  # the CPU path's tensors (oneDNN / int4pack formats)
         self.released = False  # qweight / scale / offset were replaced by the CPU path's copies
+        self.exact_scales = exact_scales
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, quantization: str,
@@ -87,6 +100,9 @@ class QuantizedLinear(nn.Module):
         """Quantise ``weight [N, K]`` (any float dtype): "int8" symmetric per channel (or per group), "int4"
         asymmetric per group of ``group_size`` (default 32) input columns."""
         check_quantization(quantization, group_size)
+        if quantization == "gguf":
+            raise ValueError("quantization='gguf' keeps a GGUF file's own blocks while loading a .gguf model; "
+                             "a weight in memory is quantised with 'int8' or 'int4'")
         g = group_size if group_size is not None else DEFAULT_GROUP_SIZE[quantization]
         if quantization == "int8":
             q, scale = quantize_int8(weight, g)
@@ -125,16 +141,20 @@ class QuantizedLinear(nn.Module):
         elif self.bits == 8 and self.scale.shape[1] == 1 and cpu_paths.w8a8_available():
             self.path, self.backend = "w8a8", "onednn"
             self.state = cpu_paths.w8a8_prepare(self.qweight, self.scale)
+        elif self.bits == 8 and native_ok and native.supports_w8g(self.out_features, self.in_features,
+                                                                  self.group_size):
+            self.path = "w8g"
+            self.state = native.pack_w8g(self.qweight, self.scale)
         elif (self.bits == 4 and cpu_path == "auto" and native.supports(self.out_features, self.in_features,
                                                                         self.group_size)
-              and native.fits_fp16(self.scale, self.offset) and native.available()):
+              and (self.exact_scales or native.fits_fp16(self.scale, self.offset)) and native.available()):
             self.path = "w4a8"
-            self.state = native.pack_w4a8(unpack_int4(self.qweight), self.scale, self.offset)
+            self.state = native.pack_w4a8(unpack_int4(self.qweight), self.scale, self.offset, self.exact_scales)
         elif (self.bits == 4 and self.group_size in cpu_paths.INT4PACK_GROUP_SIZES and self.out_features % 16 == 0
               and cpu_paths.int4pack_available()):
             self.path = "int4pack"
             self.state = cpu_paths.int4pack_prepare(unpack_int4(self.qweight), self.scale, self.offset)
-        if self.bias is not None and (self.path == "w4a8" or self.backend == "native"):
+        if self.bias is not None and (self.path in ("w4a8", "w8g") or self.backend == "native"):
             self.bias_fp32 = self.bias.detach().float().contiguous()  # the model dtype's bias, fp32 (no copy if fp32)
         if self.path != "weight_only" and release:
             for name in ("qweight", "scale", "offset"):
@@ -151,6 +171,8 @@ class QuantizedLinear(nn.Module):
             out = cpu_paths.w8a8_linear(x2, self.state, self.bias).to(x.dtype)
         elif self.path == "w4a8":
             out = native.w4a8_linear(x2, self.state, self.group_size, self.bias_fp32, out_dtype=x.dtype)
+        elif self.path == "w8g":
+            out = native.w8g_linear(x2, self.state, self.group_size, self.bias_fp32, out_dtype=x.dtype)
         elif self.path == "int4pack":
             out = cpu_paths.int4pack_linear(x2, self.state, self.group_size, self.bias).to(x.dtype)
         elif ops.use_triton(x2):
@@ -165,7 +187,10 @@ class QuantizedLinear(nn.Module):
         if self.path == "w8a8":
             return cpu_paths.w8a8_reference(x, self.qweight, self.scale, self.bias)
         if self.path == "w4a8":
-            return native.w4a8_reference(x, unpack_int4(self.qweight), self.scale, self.offset, self.bias)
+            return native.w4a8_reference(x, unpack_int4(self.qweight), self.scale, self.offset, self.bias,
+                                         self.exact_scales)
+        if self.path == "w8g":
+            return native.w8g_reference(x, self.qweight, self.scale, self.bias)
         if self.path == "int4pack":
             return cpu_paths.int4pack_reference(x, unpack_int4(self.qweight), self.state[1], self.group_size,
                                                 self.bias)
@@ -178,6 +203,21 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             tensors.append(self.bias)
         return sum(_nbytes(t) for t in tensors)
+
+
+class RowStack(nn.Module):
+    """A fused linear (q/k/v, gate/up) whose parts are held in different formats - a GGUF with q/k in Q4_K and v in
+    Q6_K, under ``quantization="gguf"``: ``y = cat([part(x) for part in parts], -1)``, each part a
+    ``QuantizedLinear`` on its own rows. A row's output depends on that row only, as each part's does."""
+
+    def __init__(self, parts: list[QuantizedLinear]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
 def _nbytes(t: torch.Tensor) -> int:

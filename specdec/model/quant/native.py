@@ -28,8 +28,8 @@ import torch
 from specdec.kernels.cpu.build import build_library, cpu_flags
 
 NATIVE_DIR = Path(__file__).parent / "native"
-SOURCES = [NATIVE_DIR / name for name in ("w4a8.c", "w8a8.c")]  # compiled into one library
-HEADERS = [NATIVE_DIR / "common.h"]  # what they share (part of the build's hash)
+SOURCES = [NATIVE_DIR / name for name in ("w4a8.c", "w8a8.c", "w8g.c")]  # compiled into one library
+HEADERS = [NATIVE_DIR / name for name in ("common.h", "act_blocks.h")]  # what they share (part of the build's hash)
 TILE_N = 16  # outputs per tile (one zmm of fp32 lanes)
 BLOCK_K = 32  # inputs per activation block (one int8 scale per row and block)
 # -ffp-contract=off: no multiply-add is fused unless the source says so (_mm512_fmadd_ps): the kernels' rounding is
@@ -50,11 +50,14 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.specdec_w4a8_gemm
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     cint = ctypes.c_int
-    fn.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, cint, cint]
+    fn.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, cint, ptr, i64, i64, ptr, cint, cint]
     fn.restype = ctypes.c_int
     fn8 = lib.specdec_w8a8_gemm
     fn8.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, ptr, cint, cint]
     fn8.restype = ctypes.c_int
+    fng = lib.specdec_w8g_gemm
+    fng.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, i64, ptr, cint, cint]
+    fng.restype = ctypes.c_int
     return lib
 
 
@@ -74,26 +77,40 @@ def fits_fp16(scale: torch.Tensor, offset: torch.Tensor) -> bool:
     return bool(torch.isfinite(scale.to(torch.float16)).all() and torch.isfinite(offset.to(torch.float16)).all())
 
 
-def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def exact_in_fp16(t: torch.Tensor) -> bool:
+    """True where every value of ``t`` (fp32) is held exactly by fp16."""
+    return bool((t.to(torch.float16).float() == t).all())
+
+
+def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+              exact_scales: bool = False) -> tuple[torch.Tensor, ...]:
     """The kernel's layout of an int4 weight: ``q`` unpacked uint8 ``[N, K]`` in [0, 15], ``scale`` / ``offset`` fp32
-    ``[N, G]``. Returns (wq uint8 ``[N/16, K/8, 16, 4]``, ws fp16 ``[N/16, G, 16]``, wo fp16 ``[N/16, G, 16]``);
-    scales and offsets are rounded to fp16 (``ValueError`` where one is not finite there)."""
+    ``[N, G]``. Returns (wq uint8 ``[N/16, K/8, 16, 4]``, ws ``[N/16, G, 16]``, wo ``[N/16, G, 16]``).
+
+    Scales and offsets are held in fp16 (``ValueError`` where one is not finite there) - rounded, for a weight
+    quantised here - unless ``exact_scales`` (a GGUF's own blocks) and fp16 cannot hold them exactly (Q4_K's
+    ``d * sc`` and ``dmin * m``): then in fp32, so that the kernel multiplies by the file's values."""
     n, k = q.shape
     g = scale.shape[1]
     if not supports(n, k, k // g):
         raise ValueError(f"w4a8 needs out_features % 16 == 0, in_features % 32 == 0 and a group that is a multiple "
                          f"of 32; got N={n}, K={k}, group={k // g}")
-    if not fits_fp16(scale, offset):
+    if exact_scales and not (exact_in_fp16(scale) and exact_in_fp16(offset)):
+        ws, wo = scale.float(), offset.float()
+    elif not fits_fp16(scale, offset):
         raise ValueError("w4a8 holds scales and offsets in fp16; this weight's do not fit there")
-    ws, wo = scale.to(torch.float16), offset.to(torch.float16)
+    else:
+        ws, wo = scale.to(torch.float16), offset.to(torch.float16)
     tiles = q.reshape(n // TILE_N, TILE_N, k // 8, 2, 4).to(torch.uint8)  # (T, lane, chunk, half, b)
     nibbles = tiles[:, :, :, 0, :] | (tiles[:, :, :, 1, :] << 4)  # (T, lane, chunk, b)
     wq = nibbles.permute(0, 2, 1, 3).contiguous()  # (T, chunk, lane, b)
+    return wq, _by_tile(ws), _by_tile(wo)
 
-    def by_tile(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(n // TILE_N, TILE_N, g).transpose(1, 2).contiguous()  # (T, G, 16)
 
-    return wq, by_tile(ws), by_tile(wo)
+def _by_tile(t: torch.Tensor) -> torch.Tensor:
+    """Per-group tensor ``[N, G]`` -> the kernels' ``[N/16, G, 16]`` (a tile's 16 outputs side by side)."""
+    n, g = t.shape
+    return t.reshape(n // TILE_N, TILE_N, g).transpose(1, 2).contiguous()
 
 
 def _kernel_io(x: torch.Tensor, n: int, out_dtype: torch.dtype | None, bias: torch.Tensor | None) -> tuple:
@@ -131,7 +148,8 @@ def w4a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: in
     x, y, bias32, out_dtype = _kernel_io(x, n, out_dtype, bias)
     if m:
         rc = lib.specdec_w4a8_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wq.data_ptr(), ws.data_ptr(),
-                                   wo.data_ptr(), _ptr(bias32), n, group_size, y.data_ptr(),
+                                   wo.data_ptr(), int(ws.dtype == torch.float32), _ptr(bias32), n, group_size,
+                                   y.data_ptr(),
                                    int(y.dtype == torch.bfloat16), threads or torch.get_num_threads())
         _check(rc, "w4a8", m, k)
     return y.to(out_dtype)
@@ -190,18 +208,80 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+                   bias: torch.Tensor | None, exact_scales: bool = False) -> torch.Tensor:
     """The w4a8 arithmetic in torch: ``x [M, K]``, ``q`` unpacked uint8 ``[N, K]``, ``scale`` / ``offset`` fp32
-    ``[N, G]`` (rounded to fp16 as the kernel holds them); fp32 ``[M, N]``. Block dots are exact; the kernel's
-    fused multiply-adds round once per block where this rounds twice, so compare with a tolerance."""
+    ``[N, G]`` (rounded to fp16 as the kernel holds them, unless ``exact_scales`` as in ``pack_w4a8``); fp32
+    ``[M, N]``. Block dots are exact; the kernel's fused multiply-adds round once per block where this rounds twice,
+    so compare with a tolerance."""
     n, k = q.shape
     xq, xs, xsum = quantize_activations(x)  # (M, B, 32), (M, B), (M, B)
     blocks = k // BLOCK_K
     per_group = blocks // scale.shape[1]
-    s = scale.to(torch.float16).float().repeat_interleave(per_group, 1)  # (N, B)
-    o = offset.to(torch.float16).float().repeat_interleave(per_group, 1)  # (N, B)
+    if not (exact_scales and not (exact_in_fp16(scale) and exact_in_fp16(offset))):
+        scale, offset = scale.to(torch.float16).float(), offset.to(torch.float16).float()
+    s = scale.float().repeat_interleave(per_group, 1)  # (N, B)
+    o = offset.float().repeat_interleave(per_group, 1)  # (N, B)
     qb = q.double().reshape(n, blocks, BLOCK_K)  # (N, B, 32)
     dots = torch.einsum("mbk,nbk->mnb", xq.double(), qb)  # (M, N, B) exact integer dots
     terms = dots * (s[None] * xs[:, None, :]).double() + o[None].double() * xsum[:, None, :].double()
+    out = terms.sum(-1).float()
+    return out + bias.float() if bias is not None else out
+
+
+def supports_w8g(out_features: int, in_features: int, group_size: int) -> bool:
+    """The shapes the w8g kernel takes: N a multiple of 16, K of 32, the group 16 or a multiple of 32 dividing K."""
+    return out_features % TILE_N == 0 and in_features % BLOCK_K == 0 and (
+        group_size == 16 or (group_size % BLOCK_K == 0 and in_features % group_size == 0))
+
+
+def pack_w8g(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The w8g kernel's layout of a grouped int8 weight (``q`` int8 ``[N, K]``, ``scale`` fp32 ``[N, G]``, G > 1):
+    (wu uint8 ``[N/16, K/4, 16, 4]`` holding q + 128, ws fp32 ``[N/16, G, 16]``, the scales exactly)."""
+    n, k = q.shape
+    g = scale.shape[1]
+    if not supports_w8g(n, k, k // g):
+        raise ValueError(f"w8g needs out_features % 16 == 0, in_features % 32 == 0 and a group of 16 or a multiple of "
+                         f"32; got N={n}, K={k}, group={k // g}")
+    wu = torch.empty(n // TILE_N, k // 4, TILE_N, 4, dtype=torch.uint8)  # (T, chunk, lane, b)
+    rows = 2048  # a multiple of 16: packed a slice at a time, so the temporaries stay small beside the weight
+    for start in range(0, n, rows):
+        shifted = q[start : start + rows].contiguous().view(torch.uint8) ^ 0x80  # two's complement q + 128
+        tiles = shifted.reshape(-1, TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # (t, chunk, lane, b)
+        wu[start // TILE_N : start // TILE_N + tiles.shape[0]] = tiles
+    return wu, _by_tile(scale.float())
+
+
+def w8g_linear(x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], group_size: int, bias: torch.Tensor | None,
+               threads: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [M, K]`` through the native w8g kernel: ``[M, N]`` in ``out_dtype`` (default fp32)."""
+    lib = _library()
+    assert lib is not None, "native kernels unavailable: check native.available() first"
+    wu, ws = state
+    m, k = x.shape
+    n = wu.shape[0] * TILE_N
+    x, y, bias32, out_dtype = _kernel_io(x, n, out_dtype, bias)
+    if m:
+        rc = lib.specdec_w8g_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wu.data_ptr(), ws.data_ptr(),
+                                  _ptr(bias32), n, group_size, y.data_ptr(), int(y.dtype == torch.bfloat16),
+                                  threads or torch.get_num_threads())
+        _check(rc, "w8g", m, k)
+    return y.to(out_dtype)
+
+
+def w8g_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The w8g arithmetic in torch: ``x [M, K]``, ``q`` int8 ``[N, K]``, ``scale`` fp32 ``[N, G]`` (group 16 or a
+    multiple of 32); fp32 ``[M, N]``. Piece dots are exact; the kernel's fused multiply-adds round once per piece
+    where this sums in fp64, so compare with a tolerance."""
+    n, k = q.shape
+    group = k // scale.shape[1]
+    piece = 16 if group == 16 else BLOCK_K
+    xq, xs, _ = quantize_activations(x)  # (M, B, 32), (M, B)
+    m = x.shape[0]
+    pieces = k // piece
+    xp = xq.reshape(m, pieces, piece).double()  # (M, P, piece)
+    dots = torch.einsum("mpk,npk->mnp", xp, q.double().reshape(n, pieces, piece))  # (M, N, P) exact
+    s = scale.float().repeat_interleave(group // piece, 1) if group > piece else scale.float()  # (N, P)
+    xs_p = xs.repeat_interleave(BLOCK_K // piece, 1)  # (M, P)
+    terms = dots * (s[None] * xs_p[:, None, :]).double()
     out = terms.sum(-1).float()
     return out + bias.float() if bias is not None else out

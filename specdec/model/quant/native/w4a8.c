@@ -1,5 +1,5 @@
 /* w4a8 GEMM for 1..many rows on x86-64 with AVX-512 VNNI: int4 weights (asymmetric, per group of >= 32 inputs,
- * fp16 scale and offset) times int8 activations (symmetric, per row and block of 32 inputs), fp32 out.
+ * fp16 or fp32 scale and offset) times int8 activations (symmetric, per row and block of 32 inputs), fp32 out.
  *
  * Built at first use by specdec/model/quant/native.py (gcc -O3 -mavx512f -mavx512bw -mavx512vnni -mf16c -fopenmp)
  * and called through ctypes. The arithmetic, which native.py's w4a8_reference repeats in torch:
@@ -18,7 +18,7 @@
  * Weight layout (prepared by native.py's pack_w4a8), for N % 16 == 0 and K % 32 == 0:
  *   wq  uint8 [N/16, K/8, 16, 4]: tile t holds outputs 16t..16t+15; chunk j holds inputs 8j..8j+7; byte
  *       (lane, b): low nibble q[16t+lane, 8j+b], high nibble q[16t+lane, 8j+4+b]
- *   ws, wo  fp16 [N/16, G, 16]: scale and offset of group g for the tile's 16 outputs
+ *   ws, wo  fp16 (or fp32: scales_f32) [N/16, G, 16]: scale and offset of group g for the tile's 16 outputs
  * One 64-byte load gives 8 inputs x 16 outputs; vpdpbusd multiplies the unsigned nibbles by 4 broadcast signed
  * activation bytes and adds 4 products into each output's int32 lane.
  *
@@ -26,52 +26,13 @@
  * and 2 FMAs); cvtdq2ps and the integer ops go to the other pipes. Up to 16 rows share one pass over a tile with
  * their accumulators in registers, and the weight stream is prefetched so that memory and compute overlap.
  */
-#include "common.h"
+#include "act_blocks.h"
 
-#define BLOCK_K 32 /* inputs per activation block (one int8 scale per row and block) */
-
-/* The activation quantisation of the header comment, 16 lanes at a time (a scalar loop here cost a third of an
- * in-cache 16-row call). Each step is the IEEE operation of the scalar arithmetic, so the results are the same bit
- * for bit: NaN inputs are skipped by the max (as `a > amax ? a : amax` does) and a block holding a NaN or an
- * infinity gets a NaN scale (below); the round follows the current rounding mode as nearbyintf does.
- * Outputs are block-major (xq [K/32, M, 32], xs and xsum [K/32, M]) so that the rows of a pass lie at constant
- * offsets from one pointer: row-major, 16 rows needed 48 pointers and gcc spilled them in the inner loop. */
-static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, int8_t *xq, float *xs, float *xsum) {
-    const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
-    const int64_t blocks = k / BLOCK_K;
-    for (int64_t m = 0; m < m_rows; m++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            const int64_t at = m * k + b * BLOCK_K, out = (b * m_rows + m) * BLOCK_K;
-            __m512 v[2];
-            for (int h = 0; h < 2; h++)
-                v[h] = x_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at + 16 * h))), 16))
-                              : _mm512_loadu_ps((const float *)x + at + 16 * h);
-            __m512 amax_v = _mm512_setzero_ps();
-            for (int h = 0; h < 2; h++)
-                amax_v = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v[h]), abs_mask)),
-                                       amax_v);
-            const float amax = _mm512_reduce_max_ps(amax_v);
-            /* a NaN or an infinity in the block makes its scale NaN, so the row's outputs are NaN - as the torch
-             * reference's are - and the engine's non-finite check sees them (the max above skips NaN, and the
-             * clamp and int conversion would turn it into finite garbage) */
-            const __mmask16 nan = _mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) |
-                                  _mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
-            const float s = (nan || isinf(amax)) ? NAN : amax > 0.0f ? amax / 127.0f : 1.0f;
-            __m512i isum = _mm512_setzero_si512();
-            for (int h = 0; h < 2; h++) {
-                __m512 q = _mm512_roundscale_ps(_mm512_div_ps(v[h], _mm512_set1_ps(s)),
-                                                _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC); /* nearbyintf */
-                q = _mm512_max_ps(lo, _mm512_min_ps(hi, q));
-                const __m512i qi = _mm512_cvttps_epi32(q);
-                _mm_storeu_si128((__m128i *)(xq + out + 16 * h), _mm512_cvtepi32_epi8(qi));
-                isum = _mm512_add_epi32(isum, qi);
-            }
-            xs[b * m_rows + m] = s;
-            xsum[b * m_rows + m] = s * (float)_mm512_reduce_add_epi32(isum);
-        }
-    }
+/* 16 scales (or offsets) of a tile's group from element ``at``: fp16 (the compact form, exact for Q4_0 / Q4_1 and
+ * what requantised weights hold) or fp32 (scales_f32: GGUF Q4_K's d * sc and dmin * m, exact only there) */
+static inline __m512 load_scales(const void *w, int scales_f32, int64_t at) {
+    return scales_f32 ? _mm512_loadu_ps((const float *)w + at)
+                      : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at)));
 }
 
 /* Rows m0..m0+R-1 (of m_rows) of tile t in one pass over the tile's weights: each block's 8 weight vectors are
@@ -81,20 +42,20 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m_rows, int64_t k, 
  * (the first pass; later passes find the tile in cache). Past the weight's end the prefetch is harmless. */
 static inline __attribute__((always_inline)) void tile_rows(const int R, int64_t t, int64_t m0, int64_t k,
                                                             const int8_t *xq, const float *xs, const float *xsum,
-                                                            const uint8_t *wq, const uint16_t *ws,
-                                                            const uint16_t *wo, const float *bias, int64_t n,
+                                                            const uint8_t *wq, const void *ws, const void *wo,
+                                                            int scales_f32, const float *bias, int64_t n,
                                                             int64_t group, void *y, int y_bf16, int64_t m_rows,
                                                             int prefetch) {
     const int64_t groups = k / group, blocks_per_group = group / BLOCK_K;
     const uint8_t *wt = wq + t * (k / 8) * 64;
-    const uint16_t *wst = ws + t * groups * TILE_N, *wot = wo + t * groups * TILE_N;
+    const int64_t tile_at = t * groups * TILE_N; /* the tile's first scale / offset */
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512 acc[ROWS]; /* fixed bounds (R is a constant here): a variable-length array lives in memory */
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0, b = 0; g < groups; g++) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wst + g * TILE_N)));
-        const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wot + g * TILE_N)));
+        const __m512 s = load_scales(ws, scales_f32, tile_at + g * TILE_N);
+        const __m512 o = load_scales(wo, scales_f32, tile_at + g * TILE_N);
         for (int64_t bg = 0; bg < blocks_per_group; bg++, b++) {
             if (prefetch)
                 for (int i = 0; i < 4; i++)
@@ -135,16 +96,15 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, int64_t
  * loops ran ~10% slower (code placement) */
 #define TILE_ROWS(R)                                                                                                  \
     static void tile_rows_##R(int64_t t, int64_t m0, int64_t k, const int8_t *xq, const float *xs, const float *xsum, \
-                              const uint8_t *wq, const uint16_t *ws, const uint16_t *wo, const float *bias, int64_t n, \
-                              int64_t group, void *y, int y_bf16, int64_t m_rows, int prefetch) {                    \
-        tile_rows(R, t, m0, k, xq, xs, xsum, wq, ws, wo, bias, n, group, y, y_bf16, m_rows, prefetch);              \
+                              const uint8_t *wq, const void *ws, const void *wo, int scales_f32, const float *bias,   \
+                              int64_t n, int64_t group, void *y, int y_bf16, int64_t m_rows, int prefetch) {        \
+        tile_rows(R, t, m0, k, xq, xs, xsum, wq, ws, wo, scales_f32, bias, n, group, y, y_bf16, m_rows, prefetch);  \
     }
 TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
 TILE_ROWS(9) TILE_ROWS(10) TILE_ROWS(11) TILE_ROWS(12) TILE_ROWS(13) TILE_ROWS(14) TILE_ROWS(15) TILE_ROWS(16)
 #undef TILE_ROWS
 typedef void tile_pass_fn(int64_t, int64_t, int64_t, const int8_t *, const float *, const float *, const uint8_t *,
-                          const uint16_t *, const uint16_t *, const float *, int64_t, int64_t, void *, int, int64_t,
-                          int);
+                          const void *, const void *, int, const float *, int64_t, int64_t, void *, int, int64_t, int);
 static tile_pass_fn *const tile_pass[ROWS + 1] = {
     NULL,         tile_rows_1,  tile_rows_2,  tile_rows_3,  tile_rows_4,  tile_rows_5,  tile_rows_6,
     tile_rows_7,  tile_rows_8,  tile_rows_9,  tile_rows_10, tile_rows_11, tile_rows_12, tile_rows_13,
@@ -154,8 +114,8 @@ static tile_pass_fn *const tile_pass[ROWS + 1] = {
 /* y [M, N] = w4a8(x [M, K]) (+ bias [N] fp32, added to the fp32 result), x and y fp32 or bf16 (x_bf16, y_bf16:
  * y rounded once from fp32, to nearest even). group: the weight group size (a multiple of 32 dividing K).
  * Returns 0, or -1 when the scratch buffers could not be allocated. */
-int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, const uint8_t *wq, const uint16_t *ws,
-                      const uint16_t *wo, const float *bias, int64_t n, int64_t group, void *y, int y_bf16,
+int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, const uint8_t *wq, const void *ws,
+                      const void *wo, int scales_f32, const float *bias, int64_t n, int64_t group, void *y, int y_bf16,
                       int nthreads) {
     const int64_t blocks = k / BLOCK_K, tiles = n / TILE_N;
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((m_rows * k + 63) / 64 * 64));
@@ -165,7 +125,7 @@ int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, cons
         free(xq), free(xs), free(xsum);
         return -1;
     }
-    quantize_rows(x, x_bf16, m_rows, k, xq, xs, xsum);
+    quantize_blocks(x, x_bf16, m_rows, k, xq, xs, xsum, NULL);
     /* rows go in passes of at most ROWS, as even as possible (33 rows: 11 + 11 + 11, 17 rows: 8 + 9) */
     const int64_t passes = (m_rows + ROWS - 1) / ROWS;
 
@@ -173,7 +133,7 @@ int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, cons
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t p = 0, m0 = 0; p < passes; p++) {
             const int64_t rows = (m_rows - m0) / (passes - p);
-            tile_pass[rows](t, m0, k, xq, xs, xsum, wq, ws, wo, bias, n, group, y, y_bf16, m_rows, p == 0);
+            tile_pass[rows](t, m0, k, xq, xs, xsum, wq, ws, wo, scales_f32, bias, n, group, y, y_bf16, m_rows, p == 0);
             m0 += rows;
         }
     }
