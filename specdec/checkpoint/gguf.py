@@ -12,7 +12,9 @@ transformers' alike, so GGUF support stops here and never leaks into the model c
     convert_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "out/dir")  # the same, written to disk atomically
 
 Supported: architectures `llama` and `qwen2` with a byte-level BPE vocabulary whose pre-tokenizer
-(`tokenizer.ggml.pre`) is `smollm` or `qwen2`. Anything else raises `ValueError` naming what is supported.
+(`tokenizer.ggml.pre`) is `llama-bpe`, `smollm` or `qwen2`, or a SentencePiece BPE vocabulary
+(`tokenizer.ggml.model = "llama"`, Mistral-7B's): specdec/tokenizer/gguf_tokenizer.py. Anything else raises
+`ValueError` naming what is supported.
 """
 
 from __future__ import annotations

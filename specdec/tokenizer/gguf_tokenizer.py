@@ -1,6 +1,7 @@
 """A GGUF file's tokenizer (``tokenizer.*`` metadata) as the upstream ``tokenizer.json``, ``tokenizer_config.json``
-and ``generation_config.json`` would have it: byte-level BPE with the family's pre-tokenizer, its added tokens and
-every end-of-turn id the family stops on. Used by ``specdec/checkpoint/gguf.py``."""
+and ``generation_config.json`` would have it: byte-level BPE with the family's pre-tokenizer (``tokenizer.ggml.model``
+"gpt2"), or a SentencePiece BPE vocabulary ("llama": Llama 2, Mistral-7B) as transformers converts it; its added
+tokens and every end-of-turn id the family stops on. Used by ``specdec/checkpoint/gguf.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-SUPPORTED_PRE_TOKENIZERS = ("llama-bpe", "qwen2", "smollm")
+SUPPORTED_PRE_TOKENIZERS = ("llama-bpe", "qwen2", "smollm")  # of byte-level BPE ("gpt2") vocabularies
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
+_METASPACE = "\u2581"  # SentencePiece's visible space
 _CONTROL, _USER_DEFINED = 3, 4  # `tokenizer.ggml.token_type` values (gguf.TokenType) of added tokens
 # Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json), by architecture
 # or by pre-tokenizer (Llama 3 shares the "llama" architecture with SmolLM2).
@@ -72,17 +75,63 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, types: list[
     return tokenizer
 
 
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int], unk: str | None,
+                       add_space_prefix: bool) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (``tokenizer.ggml.model = "llama"``: pieces spelled with U+2581 for a space,
+    ``<0xNN>`` byte pieces, a score per piece) as transformers' GGUF conversion builds it (``LlamaTokenizer``): BPE
+    whose merges are recovered from the scores, byte fallback, a Metaspace pre-tokenizer that prefixes one space to
+    the text's start (``add_space_prefix``; transformers' non-legacy "first" scheme - llama.cpp also prefixes the
+    text after each special token), and the matching decoder."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges_from_scores(tokens, scores), unk_token=unk,
+                                     fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement=_METASPACE, prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [decoders.Replace(_METASPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                  for i in _indices(types, _CONTROL)])
+    tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                          for i in _indices(types, _USER_DEFINED)])
+    return tokenizer
+
+
+def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces of the vocabulary,
+    ranked by the merged piece's score (highest first; ties: the longer left part, then the longer right part), as transformers'
+    ``generate_merges`` ranks them, so that both tokenizers agree on every text."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    candidates = []
+    for piece, score in dict(zip(tokens, scores)).items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        candidates += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in candidates]
+
+
 def build_tokenizer(md, arch: str) -> tuple[Tokenizer, dict[str, Any], dict[str, Any]]:
     """`(tokenizer, tokenizer_config, generation_config)` from the `tokenizer.*` metadata."""
-    if (kind := md.require("tokenizer.ggml.model")) != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
+    kind = md.require("tokenizer.ggml.model")
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE) and "
+                         f"'llama' (SentencePiece BPE)")
     tokens: list[str] = md.require("tokenizer.ggml.tokens")
     pre, types = md.get("tokenizer.ggml.pre", "default"), md.get("tokenizer.ggml.token_type") or []
-    tokenizer = _byte_level_bpe(tokens, md.require("tokenizer.ggml.merges"), pre, types)
+    if kind == "gpt2":
+        tokenizer = _byte_level_bpe(tokens, md.require("tokenizer.ggml.merges"), pre, types)
+    else:
+        tokenizer = _sentencepiece_bpe(tokens, md.require("tokenizer.ggml.scores"), types,
+                                       _special_token(tokens, md, "unknown"),
+                                       bool(md.get("tokenizer.ggml.add_space_prefix", True)))
     bos, eos = _special_token(tokens, md, "bos"), _special_token(tokens, md, "eos")
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", False))
+    # a SentencePiece file that does not say gets BOS, as llama.cpp and transformers give it
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", False))
-    if add_bos or add_eos:  # neither supported family sets these; honour them rather than drop them
+    if add_bos or add_eos:  # as the post-processor of the upstream tokenizer.json
         single = ([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else [])
         specials = [(t, tokenizer.token_to_id(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on and t]
         tokenizer.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)

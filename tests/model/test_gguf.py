@@ -295,13 +295,45 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_SPM_WORDS = ("\u2581the", "\u2581hello", "\u2581world", "\u2581def", "\u2581return", "\u2581\u2581\u2581\u2581", "ing",
+              "\u2581=", "12", "\u25811", "\u2581it", "'s", "\u2581x")
+_SPM_CHARS = "\u2581thelowrdfnuigs=1234x'():abc"
+
+
+def _toy_spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece BPE vocabulary as Mistral-7B-v0.3's GGUF lays it out: <unk> (type 2), <s> and </s> (3),
+    [INST] / [/INST] (3), 256 byte pieces <0xNN> (6), then pieces (1) whose scores rank the merges (every prefix of a
+    word is a piece, so BPE can build it)."""
+    tokens = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    pieces = list(_SPM_CHARS)
+    for word in _SPM_WORDS:
+        pieces += [word[:i] for i in range(2, len(word) + 1)]
+    for rank, piece in enumerate(dict.fromkeys(pieces)):
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(rank))
+    tokens.append("<tool>")
+    types.append(4)
+    scores.append(0.0)
+    return tokens, scores, types
+
+
+_MISTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} "
+                     "[/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
 def write_tiny_gguf(
     path: Path, arch: str = "qwen2", pre: str = "qwen2", rope_theta: float | None = 1e6, drop: tuple[str, ...] = (),
     rope_freqs: np.ndarray | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write a tiny F32 GGUF the way llama.cpp would (Q/K permuted for llama); return its HF state dict. ``pre``
     "llama-bpe" writes a Llama 3 file: its special tokens, BOS added (``add_bos_token``), eos <|eot_id|>, its chat
-    template."""
+    template. ``pre`` "spm" writes a Mistral-7B-v0.3-shaped file: architecture llama, an untied head, a
+    SentencePiece vocabulary (``tokenizer.ggml.model = "llama"``, no ``add_bos_token`` key: BOS by default)."""
+    if pre == "spm":
+        return _write_tiny_spm_gguf(path, rope_theta)
     llama3 = pre == "llama-bpe"
     tokens, merges, types = _toy_vocab(llama3)
     tied = arch == "llama"
@@ -343,6 +375,138 @@ def write_tiny_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return state
+
+
+def _write_tiny_spm_gguf(path: Path, rope_theta: float | None) -> dict[str, torch.Tensor]:
+    tokens, scores, types = _toy_spm_vocab()
+    state = _tiny_hf_state("llama", len(tokens), tied=False)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-mistral")
+    writer.add_vocab_size(len(tokens))
+    writer.add_context_length(_TINY["context"])
+    writer.add_embedding_length(_TINY["hidden"])
+    writer.add_feed_forward_length(_TINY["ffn"])
+    writer.add_block_count(_TINY["layers"])
+    writer.add_head_count(_TINY["heads"])
+    writer.add_head_count_kv(_TINY["kv_heads"])
+    writer.add_rope_dimension_count(_TINY["hidden"] // _TINY["heads"])
+    writer.add_rope_freq_base(rope_theta or 1e6)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(_MISTRAL_TEMPLATE)
+    heads = {"self_attn.q_proj.weight": _TINY["heads"], "self_attn.k_proj.weight": _TINY["kv_heads"]}
+    for name, tensor in state.items():
+        array = tensor.numpy()
+        if (kind := name.split(".", 3)[-1]) in heads:
+            array = _llama_cpp_permute(array, heads[kind])
+        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return state
+
+
+_SPM_TEXTS = ["the hello world", " the  hello   world", "def hello():\n    return the world", "x = 12345 it's 1234",
+              "h\u00e9llo w\u00f6rld \u4f60\u597d \U0001F600", "[INST] hi [/INST] the</s>", "a  \t\n\n   b    c", "<tool> x",
+              "hello<s>world", ""]
+
+
+def test_a_sentencepiece_gguf_tokenizes_and_decodes_like_transformers(tmp_path):
+    """A Mistral-7B-v0.3-shaped GGUF (SentencePiece BPE vocabulary, Q/K permuted, untied head) converts to a
+    tokenizer that encodes every text as transformers' own GGUF conversion does (BOS added by default, byte
+    fallback for what the vocabulary lacks, control tokens whole) and decodes it back, and to weights whose logits
+    equal transformers' on the same file."""
+    source = tmp_path / "tiny-mistral.gguf"
+    state = write_tiny_gguf(source, pre="spm")
+    out = convert_gguf(source, tmp_path / "converted")
+    assert load_gguf(source).state_dict.keys() == state.keys()
+    tokens = _toy_spm_vocab()[0]
+    config = json.loads((out / "config.json").read_text())
+    assert config["vocab_size"] == len(tokens) and config["tie_word_embeddings"] is False
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    ids = list(range(0, len(tokens), 5)) + [2]
+    torch.testing.assert_close(_logits(_load_hf(out), ids), _logits(_load_hf(tmp_path, gguf_file=source.name), ids),
+                               atol=1e-5, rtol=0)
+    ours = transformers.AutoTokenizer.from_pretrained(str(out))
+    reference = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=source.name)
+    byte_fallback = False
+    for text in _SPM_TEXTS:
+        got = ours.encode(text)
+        assert got == reference.encode(text), text
+        assert got[:1] == [1]  # BOS, by default for a SentencePiece file
+        byte_fallback |= any(tokens[i].startswith("<0x") for i in got)
+        assert ours.decode(got, skip_special_tokens=True) == reference.decode(got, skip_special_tokens=True), text
+        # a round trip, except for specials and a leading space (Metaspace folds it into the prefix space, as
+        # SentencePiece does: both tokenizers decode " the" as "the")
+        if not any(t in text for t in ("<s>", "[INST]", "</s>")) and not text.startswith(" "):
+            assert ours.decode(ours.encode(text, add_special_tokens=False)) == text, text
+    assert byte_fallback  # the unicode text needed <0xNN> pieces
+    assert ours.encode("[INST] hi [/INST]", add_special_tokens=False)[0] == 3  # a control token stays whole
+    messages = [{"role": "user", "content": "hello"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == "<s>[INST] hello [/INST]"
+
+
+def test_a_sentencepiece_gguf_decodes_like_transformers(tmp_path):
+    """specdec runs the Mistral-shaped SentencePiece GGUF itself: the chat prompt gets one BOS (the template writes
+    it; the tokenizer adds none then) and greedy decoding, plain and with prompt lookup, equals transformers' on the
+    converted weights in float32."""
+    from helpers import small_llm
+
+    from specdec import SamplingParams, SpeculativeConfig
+
+    source = tmp_path / "tiny-mistral.gguf"
+    write_tiny_gguf(source, pre="spm")
+    plain = small_llm(str(source), dtype="float32", max_model_len=128)
+    messages = [{"role": "user", "content": "the hello world"}]
+    prompt = plain.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = plain.tokenizer.encode(prompt)
+    assert ids[:2] == [1, 3] and ids.count(1) == 1  # <s>[INST], BOS once
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ours = plain.chat(messages, params)[0].outputs[0].token_ids
+    spec = small_llm(str(source), dtype="float32", max_model_len=128,
+                     speculative=SpeculativeConfig(method="prompt_lookup", num_speculative_tokens=3))
+    assert spec.chat(messages, params)[0].outputs[0].token_ids == ours
+    reference = _load_hf(Path(plain.engine.config.model_path))
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, len(ids):].tolist()
+    assert ours == expected
+
+
+def test_an_unknown_tokenizer_model_is_refused_by_name():
+    from specdec.tokenizer.gguf_tokenizer import build_tokenizer
+
+    class Metadata:
+        def require(self, key):
+            return {"tokenizer.ggml.model": "t5"}[key]
+
+        def get(self, key, default=None):
+            return default
+
+    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 't5'; supported: 'gpt2'.*'llama'"):
+        build_tokenizer(Metadata(), "llama")
+
+
+def test_sentencepiece_merges_follow_the_scores():
+    from transformers.tokenization_utils_base import generate_merges
+
+    from specdec.tokenizer.gguf_tokenizer import merges_from_scores
+
+    tokens = ["a", "b", "c", "ab", "bc", "abc"]
+    # "bc" outranks "ab", so b + c merges first; "abc"'s two splits tie on score: the longer left part ranks first
+    merges = merges_from_scores(tokens, [0, 0, 0, -2.0, -1.0, -3.0])
+    assert merges == [("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]
+    tokens, scores, _ = _toy_spm_vocab()  # and transformers' own recovery, on a whole vocabulary
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    assert merges_from_scores(tokens, scores) == generate_merges(vocab, dict(zip(tokens, scores)))
 
 
 @pytest.mark.parametrize("arch, pre", [("qwen2", "qwen2"), ("llama", "smollm"), ("llama", "llama-bpe")])
