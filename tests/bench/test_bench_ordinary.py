@@ -55,3 +55,27 @@ def test_run_rotates_the_order_and_summarize_reports_per_group(monkeypatch):
     assert out["a"]["fast"]["speedup"] == pytest.approx(2.0) and out["b"]["fast"]["speedup"] == pytest.approx(2.0)
     assert out["a"]["fast"]["tau"] == pytest.approx(2.5) and out["all"]["fast"]["lossless"] is True
     assert ordinary.geomean([1.0, 4.0]) == pytest.approx(2.0)
+
+
+def test_ceiling_is_tau_over_the_window_cost(tmp_path, monkeypatch):
+    import json
+
+    from bench.speed import ordinary_ceiling
+
+    assert ordinary_ceiling.window_width({"method": "prompt_lookup", "num_speculative_tokens": 4}) == 5
+    assert ordinary_ceiling.window_width({"method": "recycle", "num_speculative_tokens": 5}) == 17
+    assert ordinary_ceiling.window_width({"method": "recycle", "num_speculative_tokens": 4, "tree_budget": 8}) == 9
+    assert ordinary_ceiling.interpolate([1, 5, 9], [1.0, 1.4, 2.2], 7) == pytest.approx(1.8)
+    assert ordinary_ceiling.interpolate([1, 5, 9], [1.0, 1.4, 2.2], 17) == 2.2  # beyond the last width: the last
+    run = {"configs": {"plain": None, "pl": {"method": "prompt_lookup", "num_speculative_tokens": 4}},
+           "results": {"qa": {"plain": {"speedup": 1.0}, "pl": {"tau": 2.8, "speedup": 1.3}},
+                       "all": {"plain": {"speedup": 1.0}, "pl": {"tau": 2.8, "speedup": 1.3}}}}
+    cost = {"results": [{"batch": 1, "width": 1, "v": 1.0}, {"batch": 1, "width": 5, "v": 1.4},
+                        {"batch": 8, "width": 5, "v": 3.0}]}
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    (tmp_path / "cost.json").write_text(json.dumps(cost))
+    captured = {}
+    monkeypatch.setattr(ordinary_ceiling, "write_json", lambda name, payload, record: captured.update(payload))
+    ordinary_ceiling.main([str(tmp_path / "run.json"), str(tmp_path / "cost.json")])
+    (row,) = captured["results"]  # "all" left out; batch 8's cost not used
+    assert row["ceiling"] == pytest.approx(2.0) and row["tau_needed_for_goal"] == pytest.approx(2.8)
