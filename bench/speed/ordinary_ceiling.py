@@ -35,14 +35,15 @@ def window_width(config: dict) -> int:
 
 
 def interpolate(widths: list[int], costs: list[float], w: int) -> float:
-    """v(w) from measured (width, v) points, linear between them (the nearest end outside)."""
+    """v(w) from measured (width, v) points, linear between them and beyond the widest (from the last two)."""
     points = sorted(zip(widths, costs))
     if w <= points[0][0]:
         return points[0][1]
     for (w0, v0), (w1, v1) in zip(points, points[1:]):
         if w <= w1:
             return v0 + (v1 - v0) * (w - w0) / (w1 - w0)
-    return points[-1][1]
+    (w0, v0), (w1, v1) = points[-2:]
+    return v1 + (v1 - v0) * (w - w1) / (w1 - w0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,7 @@ class _Pending(nn.Module):
 @dataclass(frozen=True)
 class _KeptBlocks:
     """A GGUF tensor kept quantised (``q`` int8 ``[N, K]`` or packed uint8 ``[N, K // 2]``, ``scale`` / ``offset``
-    fp32 ``[N, K // 32]``; no offset for int8) that a tensor-parallel rank narrows like a checkpoint tensor
+    fp32 ``[N, K // group]``; no offset for int8; a group of 16 only under "gguf", which is never sliced) that a tensor-parallel rank narrows like a checkpoint tensor
     (``ShardLayout.slice_of``): rows, or columns in whole 32-wide blocks."""
 
     q: torch.Tensor
@@ -68,6 +68,7 @@ class _KeptBlocks:
         if dim == 0:
             return _KeptBlocks(*(t.narrow(0, start, length) if t is not None else None
                                  for t in (self.q, self.scale, self.offset)))
+        assert self.scale.shape[1] * BLOCK == self.shape[1], "only 32-wide groups are sliced by columns"
         if start % BLOCK or length % BLOCK:
             raise ValueError(f"columns [{start}, {start + length}) cut a GGUF block of {BLOCK}")
         per_byte = 2 if self.offset is not None else 1  # int4: two columns per byte
@@ -106,8 +107,8 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
     group = group_size if group_size is not None or quantization is None else DEFAULT_GROUP_SIZE[quantization]
     as_stored = quantization == "gguf"
     if as_stored and not gguf_path:
-        raise ValueError("quantization='gguf' runs a GGUF file's own blocks: pass a .gguf model (this model is not "
-                         "one); for other checkpoints use 'int8' or 'int4'")
+        raise ValueError("quantization='gguf' runs a GGUF file's own blocks: pass a .gguf model (the model being "
+                         "loaded - target or draft - is not one); for other checkpoints use 'int8' or 'int4'")
     gguf = _GGUFKept(gguf_path, model.config, quantization, group) if gguf_path and quantization else None
     keep = gguf.keepable_modules(model) if as_stored else None  # "gguf": the linears held as stored
     pending: dict[str, _Pending] = {}
@@ -139,6 +140,11 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
         kinds = {part[0] for part in p.parts.values()}
         ordered = [p.parts[i] for i in range(p.num_parts)]
         exact = kinds == {"kept"}
+        if exact:
+            rows = sum(t[1].shape[0] for t in ordered)
+            widths = {t[1].shape[1] * (2 if t[3] is not None else 1) for t in ordered}
+            if rows > p.shape[0] or widths != {p.shape[1]}:
+                raise ValueError(f"GGUF blocks of {name} hold {rows} x {sorted(widths)}, expected {p.shape}")
         if exact and len({(t[1].dtype, t[2].shape[1]) for t in ordered}) > 1:
             _set_module(model, name, _row_stack(ordered, p.bias, device, cpu_path))  # parts in different formats
             counts["kept"] += 1

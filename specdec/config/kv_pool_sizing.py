@@ -44,6 +44,8 @@ def kv_pool_room(model_config: ModelConfig, dtype: torch.dtype, device: torch.de
     available = available_memory_bytes() if device.type == "cpu" else None
     if available is None:
         return 2**62
-    per_param = {"int8": 1.0, "int4": 0.75}.get(quantization, torch.empty((), dtype=dtype).element_size())
+    # "gguf": the file's blocks, at most int8 with its scales (Q8_0, Q6_K) - a bound
+    per_param = {"int8": 1.0, "int4": 0.75, "gguf": 1.25}.get(quantization,
+                                                               torch.empty((), dtype=dtype).element_size())
     weights = int(model_config.num_params * per_param)  # quantised: ~ the linears' bytes (a bound, not exact)
     return max(0, (available - weights) // 2)

@@ -68,9 +68,9 @@ def speculative_config_from_dict(config: dict) -> SpeculativeConfig:
     elif method in ("draft_model", "eagle3") and model is None:
         raise ValueError(f"speculative_config: method {method!r} needs 'model' (the draft model or head)")
     quantization = config.get("quantization")
-    if quantization is not None and quantization not in ("int8", "int4"):
+    if quantization is not None and quantization not in ("int8", "int4", "gguf"):
         raise ValueError(f"speculative_config: quantization {quantization!r} is not supported for the draft; "
-                         "supported: 'int8', 'int4' (or leave it out)")
+                         "supported: 'int8', 'int4', 'gguf' (a .gguf draft's own blocks) (or leave it out)")
     return SpeculativeConfig(method=method, draft_model=model, draft_quantization=quantization, **ours)
 
 

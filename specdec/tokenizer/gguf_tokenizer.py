@@ -9,10 +9,13 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-SUPPORTED_PRE_TOKENIZERS = ("llama-bpe", "qwen2", "smollm")  # of byte-level BPE ("gpt2") vocabularies
+# of byte-level BPE ("gpt2") vocabularies; other names llama.cpp writes for the same splits (transformers' table)
+_PRE_TOKENIZER_ALIASES = {"llama3": "llama-bpe", "llama-v3": "llama-bpe", "smaug-bpe": "llama-bpe",
+                          "deepseek-r1-qwen": "qwen2"}
+SUPPORTED_PRE_TOKENIZERS = ("llama-bpe", "qwen2", "smollm", *_PRE_TOKENIZER_ALIASES)
 SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece BPE
 _METASPACE = "\u2581"  # SentencePiece's visible space
-_CONTROL, _USER_DEFINED = 3, 4  # `tokenizer.ggml.token_type` values (gguf.TokenType) of added tokens
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # `tokenizer.ggml.token_type` values (gguf.TokenType) of added tokens
 # Every end-of-turn / end-of-text token a family's generation stops on (HF generation_config.json), by architecture
 # or by pre-tokenizer (Llama 3 shares the "llama" architecture with SmolLM2).
 _FAMILY_EOS_TOKENS = {"qwen2": ("<|im_end|>", "<|endoftext|>"),
@@ -80,8 +83,10 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
     """A SentencePiece BPE vocabulary (``tokenizer.ggml.model = "llama"``: pieces spelled with U+2581 for a space,
     ``<0xNN>`` byte pieces, a score per piece) as transformers' GGUF conversion builds it (``LlamaTokenizer``): BPE
     whose merges are recovered from the scores, byte fallback, a Metaspace pre-tokenizer that prefixes one space to
-    the text's start (``add_space_prefix``; transformers' non-legacy "first" scheme - llama.cpp also prefixes the
-    text after each special token), and the matching decoder."""
+    the text's start (transformers' non-legacy "first" scheme; llama.cpp also prefixes the text after each special
+    token), and the matching decoder. ``add_space_prefix`` False (``tokenizer.ggml.add_space_prefix``, written from
+    the SentencePiece model's ``add_dummy_prefix``) prefixes nothing, as llama.cpp does; transformers ignores the
+    key and prefixes anyway."""
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
@@ -91,8 +96,10 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
         replacement=_METASPACE, prepend_scheme="first" if add_space_prefix else "never", split=False)
     steps = [decoders.Replace(_METASPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+    # the unknown piece is special too (transformers registers it as the unk_token): matched whole, skipped when
+    # decoding with skip_special_tokens
     tokenizer.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                  for i in _indices(types, _CONTROL)])
+                                  for i in _indices(types, _UNKNOWN) + _indices(types, _CONTROL)])
     tokenizer.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                           for i in _indices(types, _USER_DEFINED)])
     return tokenizer
@@ -121,6 +128,7 @@ def build_tokenizer(md, arch: str) -> tuple[Tokenizer, dict[str, Any], dict[str,
                          f"'llama' (SentencePiece BPE)")
     tokens: list[str] = md.require("tokenizer.ggml.tokens")
     pre, types = md.get("tokenizer.ggml.pre", "default"), md.get("tokenizer.ggml.token_type") or []
+    pre = _PRE_TOKENIZER_ALIASES.get(pre, pre)  # one name per split from here on
     if kind == "gpt2":
         tokenizer = _byte_level_bpe(tokens, md.require("tokenizer.ggml.merges"), pre, types)
     else:

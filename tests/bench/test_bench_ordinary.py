@@ -66,7 +66,7 @@ def test_ceiling_is_tau_over_the_window_cost(tmp_path, monkeypatch):
     assert ordinary_ceiling.window_width({"method": "recycle", "num_speculative_tokens": 5}) == 17
     assert ordinary_ceiling.window_width({"method": "recycle", "num_speculative_tokens": 4, "tree_budget": 8}) == 9
     assert ordinary_ceiling.interpolate([1, 5, 9], [1.0, 1.4, 2.2], 7) == pytest.approx(1.8)
-    assert ordinary_ceiling.interpolate([1, 5, 9], [1.0, 1.4, 2.2], 17) == 2.2  # beyond the last width: the last
+    assert ordinary_ceiling.interpolate([1, 5, 9], [1.0, 1.4, 2.2], 17) == pytest.approx(3.8)  # extrapolated
     run = {"configs": {"plain": None, "pl": {"method": "prompt_lookup", "num_speculative_tokens": 4}},
            "results": {"qa": {"plain": {"speedup": 1.0}, "pl": {"tau": 2.8, "speedup": 1.3}},
                        "all": {"plain": {"speedup": 1.0}, "pl": {"tau": 2.8, "speedup": 1.3}}}}

@@ -449,6 +449,14 @@ def test_a_sentencepiece_gguf_tokenizes_and_decodes_like_transformers(tmp_path):
         if not any(t in text for t in ("<s>", "[INST]", "</s>")) and not text.startswith(" "):
             assert ours.decode(ours.encode(text, add_special_tokens=False)) == text, text
     assert byte_fallback  # the unicode text needed <0xNN> pieces
+    from specdec.tokenizer.tokenizer import Tokenizer  # specdec's own tokenizer on the folder agrees, <unk> included
+
+    own = Tokenizer(str(out))
+    for text in _SPM_TEXTS + ["<unk> the", "the<unk>"]:
+        assert own.encode(text) == reference.encode(text), text
+    assert own.encode("<unk> the") == [1, 0, tokens.index("\u2581the")]  # the unknown piece matched whole
+    assert own.decode([tokens.index("\u2581the"), 0]) == reference.decode([tokens.index("\u2581the"), 0],
+                                                                         skip_special_tokens=True)
     assert ours.encode("[INST] hi [/INST]", add_special_tokens=False)[0] == 3  # a control token stays whole
     messages = [{"role": "user", "content": "hello"}]
     assert ours.apply_chat_template(messages, tokenize=False) == "<s>[INST] hello [/INST]"
@@ -479,6 +487,43 @@ def test_a_sentencepiece_gguf_decodes_like_transformers(tmp_path):
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)[0, len(ids):].tolist()
     assert ours == expected
+
+
+def test_a_sentencepiece_file_without_a_space_prefix_gets_none(tmp_path, monkeypatch):
+    """``tokenizer.ggml.add_space_prefix = false`` (a SentencePiece model without ``add_dummy_prefix``): no space
+    is prefixed, as llama.cpp reads the file (transformers' GGUF conversion ignores the key)."""
+    from specdec.tokenizer.tokenizer import Tokenizer
+
+    real = gguf.GGUFWriter.add_chat_template
+
+    def add_chat_template(self, value):
+        self.add_bool("tokenizer.ggml.add_space_prefix", False)
+        return real(self, value)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_chat_template", add_chat_template)
+    source = tmp_path / "tiny-mistral.gguf"
+    write_tiny_gguf(source, pre="spm")
+    own = Tokenizer(str(convert_gguf(source, tmp_path / "converted")))
+    tokens = _toy_spm_vocab()[0]
+    assert own.encode("the", add_special_tokens=False) == [tokens.index(c) for c in "the"]  # no "\u2581the"
+    assert own.encode(" the", add_special_tokens=False) == [tokens.index("\u2581the")]
+    assert own.decode(own.encode("the x", add_special_tokens=False)) == "the x"
+
+
+@pytest.mark.parametrize("alias, family", [("llama3", "llama-bpe"), ("smaug-bpe", "llama-bpe"),
+                                           ("deepseek-r1-qwen", "qwen2")])
+def test_pre_tokenizer_aliases_tokenize_like_their_family(tmp_path, alias, family):
+    """Other names llama.cpp writes for the Llama 3 and Qwen2 splits give those splits (and the Llama 3 and Qwen2
+    splits differ on digit runs, so a wrong mapping would show)."""
+    from tokenizers import Tokenizer
+
+    splits = {}
+    for pre in (alias, family, "qwen2" if family == "llama-bpe" else "llama-bpe"):
+        write_tiny_gguf(tmp_path / f"{pre}.gguf", arch="qwen2", pre=pre)
+        tokenizer = Tokenizer.from_file(str(convert_gguf(tmp_path / f"{pre}.gguf", tmp_path / pre) / "tokenizer.json"))
+        splits[pre] = [piece for piece, _ in tokenizer.pre_tokenizer.pre_tokenize_str("x = 12345 it's  \n\n hello")]
+    other = next(pre for pre in splits if pre not in (alias, family))
+    assert splits[alias] == splits[family] != splits[other]
 
 
 def test_an_unknown_tokenizer_model_is_refused_by_name():
@@ -641,7 +686,8 @@ def test_ensure_converted_verifies_sha256_once(tmp_path, monkeypatch):
     "kwargs, error",
     [
         ({"arch": "gpt2"}, r"unsupported GGUF architecture 'gpt2'; supported: \['llama', 'qwen2'\]"),
-        ({"pre": "gpt-4o"}, r"unsupported GGUF pre-tokenizer 'gpt-4o'; supported: \['llama-bpe', 'qwen2', 'smollm'\]"),
+        ({"pre": "gpt-4o"}, r"unsupported GGUF pre-tokenizer 'gpt-4o'; supported: \['llama-bpe', 'qwen2', 'smollm', "
+                            r"'llama3'"),
         ({"rope_theta": None}, r"'qwen2\.rope\.freq_base' is missing"),
         ({"drop": ("blk.1.attn_k.bias",)}, r"missing tensors.*model\.layers\.1\.self_attn\.k_proj\.bias"),
     ],

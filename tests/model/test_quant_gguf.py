@@ -257,3 +257,26 @@ def test_gguf_mode_is_refused_under_tensor_parallelism():
     check_quantized_tensor_parallel(config, 1, "gguf", None)  # one process: fine
     with pytest.raises(ValueError, match="runs on one process"):
         check_quantized_tensor_parallel(config, 2, "gguf", None)
+
+
+def test_a_gguf_draft_runs_its_own_blocks(tmp_path, monkeypatch):
+    """``draft_quantization="gguf"``: a separate .gguf draft keeps its blocks too; greedy speculation with it equals
+    plain greedy decoding of the gguf-mode target in bf16."""
+    from helpers import small_llm
+
+    from specdec import SamplingParams, SpeculativeConfig
+    from specdec.model.quant import native
+
+    if not native.available():
+        pytest.skip("no AVX-512 VNNI or no C compiler here")
+    path = tmp_path / "tiny.gguf"
+    write_k_quant_gguf(path, "qwen2", monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = small_llm(str(path), dtype="bfloat16", max_model_len=128, quantization="gguf")
+    expected = plain.generate(["hello world the"], params)[0].outputs[0].token_ids
+    spec = small_llm(str(path), dtype="bfloat16", max_model_len=128, quantization="gguf",
+                     speculative=SpeculativeConfig(method="draft_model", draft_model=str(path),
+                                                   draft_quantization="gguf", num_speculative_tokens=3))
+    out = spec.generate(["hello world the"], params)[0]
+    assert out.outputs[0].token_ids == expected
+    assert out.metrics["accepted"] > 0  # the same weights as a draft: drafts are accepted

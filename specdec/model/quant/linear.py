@@ -124,8 +124,8 @@ class QuantizedLinear(nn.Module):
 
     def prepare(self, device: torch.device, cpu_path: str = "auto", release: bool = True) -> None:
         """Fix the arithmetic for ``device``: on CPU with ``cpu_path="auto"`` the fast path that applies ("w8a8"
-        for per-channel int8 - specdec's kernel, else oneDNN's -, "w4a8" or else "int4pack" for int4 with a supported
-        group), else "weight_only"; ``cpu_path="torch"`` passes over specdec's native kernels. ``release``: the
+        for per-channel int8 - specdec's kernel, else oneDNN's -, "w8g" for grouped int8, "w4a8" or else "int4pack"
+        for int4 with a supported group; never int4pack for ``exact_scales``), else "weight_only"; ``cpu_path="torch"`` passes over specdec's native kernels. ``release``: the
         CPU path's packed copies replace ``qweight`` / ``scale`` / ``offset`` (meta tensors), so they are held once."""
         if cpu_path not in CPU_PATHS:
             raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {cpu_path!r}")
@@ -151,7 +151,7 @@ class QuantizedLinear(nn.Module):
             self.path = "w4a8"
             self.state = native.pack_w4a8(unpack_int4(self.qweight), self.scale, self.offset, self.exact_scales)
         elif (self.bits == 4 and self.group_size in cpu_paths.INT4PACK_GROUP_SIZES and self.out_features % 16 == 0
-              and cpu_paths.int4pack_available()):
+              and not self.exact_scales and cpu_paths.int4pack_available()):  # int4pack rounds scales to bf16
             self.path = "int4pack"
             self.state = cpu_paths.int4pack_prepare(unpack_int4(self.qweight), self.scale, self.offset)
         if self.bias is not None and (self.path in ("w4a8", "w8g") or self.backend == "native"):

@@ -166,7 +166,7 @@ def _cut_head(model: LlamaForCausalLM, subset, spec: SpeculativeConfig, draft_co
     """Cut the freshly loaded draft's plain LM head to the reduced vocabulary ``subset`` (int64 [S]), quantise the
     cut head where the full one would have been (``draft_quantize_lm_head``: None quantises an untied head), then
     prepack the model's plain linears as ``load_model`` would have."""
-    # "gguf" holds a file's own blocks: a head cut to a subset of rows keeps the file's values, dense
+    # "gguf" holds a file's own blocks; a head cut to a subset of rows is dense (the converted rows in the dtype)
     quantize = spec.draft_quantization not in (None, "gguf") and (
         spec.draft_quantize_lm_head or (spec.draft_quantize_lm_head is None and not draft_config.tie_word_embeddings))
     restrict_lm_head(model, subset, spec.draft_quantization if quantize else None, spec.draft_quantization_group_size)
