@@ -10,8 +10,8 @@ checkpoint: the parts of a linear (q/k/v, gate/up) are gathered until complete, 
 ``QuantizedLinear`` and freed. With a GGUF source, a Q4_0 / Q4_1 / Q8_0 tensor whose format maps exactly onto the
 scheme asked for (int4 / int8 with group 32) is taken from the GGUF blocks unchanged (gguf_blocks.py); other
 tensors are quantised from their dequantised values. ``quantization="gguf"`` takes every linear whose blocks map
-onto one of our formats (Q4_0 / Q4_1 / Q4_K -> int4, Q8_0 / Q5_0 / Q6_K -> int8) from the file unchanged, and
-keeps the others dense in the model dtype (the file's float tensors, and Q5_1 / Q5_K / ... dequantised): the
+onto one of our formats (Q4_0 / Q4_1 / Q4_K -> int4, Q8_0 / Q5_0 / Q6_K / Q5_1 / Q5_K -> int8) from the file
+unchanged, and keeps the others dense in the model dtype (the file's float tensors, and Q2_K / Q3_K / ... dequantised): the
 model runs the weights the file holds, nothing quantised again.
 
 Under tensor parallelism (a model built with ``group=``) each rank quantises its own shard: every linear's slice
@@ -62,7 +62,7 @@ class _KeptBlocks:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.q.shape[0], self.q.shape[1] * (2 if self.offset is not None else 1)
+        return self.q.shape[0], self.q.shape[1] * (1 if self.q.dtype == torch.int8 else 2)
 
     def narrow(self, dim: int, start: int, length: int) -> _KeptBlocks:
         if dim == 0:
@@ -71,7 +71,7 @@ class _KeptBlocks:
         assert self.scale.shape[1] * BLOCK == self.shape[1], "only 32-wide groups are sliced by columns"
         if start % BLOCK or length % BLOCK:
             raise ValueError(f"columns [{start}, {start + length}) cut a GGUF block of {BLOCK}")
-        per_byte = 2 if self.offset is not None else 1  # int4: two columns per byte
+        per_byte = 1 if self.q.dtype == torch.int8 else 2  # int4: two columns per byte
         return _KeptBlocks(self.q.narrow(1, start // per_byte, length // per_byte),
                            *(t.narrow(1, start // BLOCK, length // BLOCK) if t is not None else None
                              for t in (self.scale, self.offset)))
@@ -142,17 +142,17 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
         exact = kinds == {"kept"}
         if exact:
             rows = sum(t[1].shape[0] for t in ordered)
-            widths = {t[1].shape[1] * (2 if t[3] is not None else 1) for t in ordered}
+            widths = {t[1].shape[1] * (1 if t[1].dtype == torch.int8 else 2) for t in ordered}
             if rows > p.shape[0] or widths != {p.shape[1]}:
                 raise ValueError(f"GGUF blocks of {name} hold {rows} x {sorted(widths)}, expected {p.shape}")
-        if exact and len({(t[1].dtype, t[2].shape[1]) for t in ordered}) > 1:
+        if exact and len({(t[1].dtype, t[2].shape[1], t[3] is None) for t in ordered}) > 1:
             _set_module(model, name, _row_stack(ordered, p.bias, device, cpu_path))  # parts in different formats
             counts["kept"] += 1
             return
         if exact:
             q, scale = torch.cat([t[1] for t in ordered]), torch.cat([t[2] for t in ordered])
             offset = torch.cat([t[3] for t in ordered]) if ordered[0][3] is not None else None
-            bits = 4 if offset is not None else 8
+            bits = 8 if q.dtype == torch.int8 else 4
             counts["kept"] += 1
         elif as_stored:
             raise AssertionError(f"{name}: quantization='gguf' reached a part that is not kept")
@@ -162,7 +162,7 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
                 shape = tuple(piece.shape)
                 rows_of = functools.partial(_read_rows, piece)
             else:
-                dense = [t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[3] is None else 4)
+                dense = [t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[1].dtype == torch.int8 else 4)
                          for t in ordered]
                 w = dense[0] if len(dense) == 1 else torch.cat(dense)  # (N, K) fp32, this rank's shard of one module
                 del dense
@@ -235,7 +235,7 @@ def _row_stack(parts: list[tuple], bias: torch.Tensor | None, device: torch.devi
         rows = q.shape[0]
         part_bias = bias.detach()[row : row + rows] if bias is not None else None
         ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
-                             4 if offset is not None else 8, part_bias, exact_scales=True)
+                             8 if q.dtype == torch.int8 else 4, part_bias, exact_scales=True)
         ql.prepare(device, cpu_path)
         linears.append(ql)
         row += rows

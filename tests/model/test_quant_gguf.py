@@ -142,13 +142,15 @@ def test_default_model_keeps_its_q4_1_linears():
 
 # --- quantization="gguf": every linear in the format its file stores it in -------------------------------------
 
-_K_TYPES = {  # tensor -> GGUF type, as a Q4_K_M file mixes them (layer 1's ffn_down: a type we keep dense)
+_K_TYPES = {  # tensor -> GGUF type, as Q4_K_M / Q5_K_M files mix them (layer 1: Q5_K, Q5_1; the head: Q2_K, dense)
     "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0",
-    "ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q6_K", "output": "Q5_K",
+    "ffn_gate": "Q4_K", "ffn_up": "Q8_0", "ffn_down": "Q6_K", "output": "Q2_K",
 }
+_LAYER1_TYPES = {"blk.1.ffn_down.weight": "Q5_K", "blk.1.attn_output.weight": "Q5_1"}
 # block bytes, then (offset, scale) of each fp16 field: random bytes elsewhere are valid blocks
 _BLOCKS = {"Q4_K": (144, [(0, 2e-4), (2, 2e-4)]), "Q6_K": (210, [(208, 5e-5)]), "Q5_0": (22, [(0, 1e-2)]),
-           "Q8_0": (34, [(0, 1e-3)]), "Q5_K": (176, [(0, 1e-4), (2, 1e-4)])}
+           "Q8_0": (34, [(0, 1e-3)]), "Q5_K": (176, [(0, 1e-4), (2, 1e-4)]), "Q5_1": (24, [(0, 1e-2), (2, -0.15)]),
+           "Q2_K": (84, [(80, 2e-3), (82, 2e-3)])}
 
 
 def _random_blocks(n: int, k: int, qtype: str, rng: np.random.Generator) -> np.ndarray:
@@ -172,7 +174,7 @@ def write_k_quant_gguf(path, arch: str, monkeypatch) -> None:
     def add_tensor(self, name, array, *args, **kwargs):
         kind = name.removesuffix(".weight").split(".")[-1]
         if name.endswith(".weight") and array.ndim == 2 and kind in _K_TYPES:
-            qtype = "Q5_K" if name == "blk.1.ffn_down.weight" else _K_TYPES[kind]
+            qtype = _LAYER1_TYPES.get(name, _K_TYPES[kind])
             data = _random_blocks(*array.shape, qtype, rng)
             return real_add(self, name, data, *args, raw_dtype=gguf.GGMLQuantizationType[qtype], **kwargs)
         return real_add(self, name, array, *args, **kwargs)
@@ -184,23 +186,24 @@ def write_k_quant_gguf(path, arch: str, monkeypatch) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_gguf_mode_runs_the_files_own_weights(tmp_path, monkeypatch, arch):
-    """Q4_K / Q6_K / Q5_0 / Q8_0 linears are held as stored (exactly gguf's dequantisation, Q/K un-permuted for
-    llama; fused q/k/v and gate/up of mixed formats as a ``RowStack``); a Q5_K linear, which maps onto none of our
-    formats, stays dense with the converted values - nothing is quantised again."""
+    """Q4_K / Q6_K / Q5_0 / Q5_1 / Q5_K / Q8_0 linears are held as stored (exactly gguf's dequantisation, Q/K
+    un-permuted for llama; fused q/k/v and gate/up of mixed formats as a ``RowStack``); a Q2_K head, which maps onto
+    none of our formats, stays dense with the converted values - nothing is quantised again."""
     from specdec.model.linear import Linear
     from specdec.model.quant.linear import RowStack
 
     path = tmp_path / "tiny.gguf"
     write_k_quant_gguf(path, arch, monkeypatch)
     for t in gguf.GGUFReader(path).tensors:
-        if t.tensor_type.name in ("Q4_K", "Q6_K", "Q5_0"):
+        if t.tensor_type.name in ("Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K"):
             q, s, o = read_blocks(t)
             expected = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(int(n) for n in reversed(t.shape)))
-            assert torch.equal(dequantize(q, s, o, 8 if o is None else 4), torch.from_numpy(expected)), t.name
+            bits = 8 if q.dtype == torch.int8 else 4
+            assert torch.equal(dequantize(q, s, o, bits), torch.from_numpy(expected)), t.name
     folder = convert_gguf(path, tmp_path / "hf")
     model, counts = _load(folder, str(path), "gguf", group=None)
     reference = _fused_reference(folder, model)
-    dense = {"layers.1.mlp.down_proj"} | ({"lm_head"} if arch == "qwen2" else set())  # llama: head tied
+    dense = {"lm_head"} if arch == "qwen2" else set()  # llama: the head is the (dense) embedding
     assert counts == {"kept": len(reference) - len(dense), "quantized": 0, "dense": len(dense)}
     for name, module in model.named_modules():
         if name not in reference:
@@ -213,6 +216,8 @@ def test_gguf_mode_runs_the_files_own_weights(tmp_path, monkeypatch, arch):
         assert torch.equal(torch.cat([p.dequantize() for p in parts]), reference[name]), name
     groups = {p.group_size for m in model.modules() if isinstance(m, RowStack) for p in m.parts}
     assert groups == {16, 32}
+    with_offsets = model.layers[1].mlp.down_proj, model.layers[1].self_attn.o_proj  # Q5_K, Q5_1: int8 + offsets
+    assert all(m.bits == 8 and m.offset is not None and m.group_size == 32 for m in with_offsets)
 
 
 def test_gguf_mode_speculates_exactly_in_bf16(tmp_path, monkeypatch):

@@ -135,16 +135,17 @@ class QuantizedLinear(nn.Module):
         if torch.device(device).type != "cpu" or cpu_path == "weight_only":
             return
         native_ok = cpu_path == "auto" and native.available()
-        if self.bits == 8 and self.scale.shape[1] == 1 and native_ok and native.supports_w8a8(self.out_features,
+        per_channel = self.bits == 8 and self.scale.shape[1] == 1 and self.offset is None
+        if per_channel and native_ok and native.supports_w8a8(self.out_features,
                                                                                               self.in_features):
             self.path, self.backend, self.state = "w8a8", "native", native.pack_w8a8(self.qweight, self.scale)
-        elif self.bits == 8 and self.scale.shape[1] == 1 and cpu_paths.w8a8_available():
+        elif per_channel and cpu_paths.w8a8_available():
             self.path, self.backend = "w8a8", "onednn"
             self.state = cpu_paths.w8a8_prepare(self.qweight, self.scale)
         elif self.bits == 8 and native_ok and native.supports_w8g(self.out_features, self.in_features,
-                                                                  self.group_size):
+                                                                  self.group_size, self.offset is not None):
             self.path = "w8g"
-            self.state = native.pack_w8g(self.qweight, self.scale)
+            self.state = native.pack_w8g(self.qweight, self.scale, self.offset)
         elif (self.bits == 4 and cpu_path == "auto" and native.supports(self.out_features, self.in_features,
                                                                         self.group_size)
               and (self.exact_scales or native.fits_fp16(self.scale, self.offset)) and native.available()):
@@ -190,7 +191,7 @@ class QuantizedLinear(nn.Module):
             return native.w4a8_reference(x, unpack_int4(self.qweight), self.scale, self.offset, self.bias,
                                          self.exact_scales)
         if self.path == "w8g":
-            return native.w8g_reference(x, self.qweight, self.scale, self.bias)
+            return native.w8g_reference(x, self.qweight, self.scale, self.bias, self.offset)
         if self.path == "int4pack":
             return cpu_paths.int4pack_reference(x, unpack_int4(self.qweight), self.state[1], self.group_size,
                                                 self.bias)

@@ -56,7 +56,7 @@ def _library() -> ctypes.CDLL | None:
     fn8.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, ptr, cint, cint]
     fn8.restype = ctypes.c_int
     fng = lib.specdec_w8g_gemm
-    fng.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, i64, i64, ptr, cint, cint]
+    fng.argtypes = [ptr, cint, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, cint, cint]
     fng.restype = ctypes.c_int
     return lib
 
@@ -228,54 +228,59 @@ def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset
     return out + bias.float() if bias is not None else out
 
 
-def supports_w8g(out_features: int, in_features: int, group_size: int) -> bool:
-    """The shapes the w8g kernel takes: N a multiple of 16, K of 32, the group 16 or a multiple of 32 dividing K."""
+def supports_w8g(out_features: int, in_features: int, group_size: int, offsets: bool = False) -> bool:
+    """The shapes the w8g kernel takes: N a multiple of 16, K of 32, the group 16 (without offsets) or a multiple
+    of 32 dividing K."""
     return out_features % TILE_N == 0 and in_features % BLOCK_K == 0 and (
-        group_size == 16 or (group_size % BLOCK_K == 0 and in_features % group_size == 0))
+        (group_size == 16 and not offsets) or (group_size % BLOCK_K == 0 and in_features % group_size == 0))
 
 
-def pack_w8g(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The w8g kernel's layout of a grouped int8 weight (``q`` int8 ``[N, K]``, ``scale`` fp32 ``[N, G]``, G > 1):
-    (wu uint8 ``[N/16, K/4, 16, 4]`` holding q + 128, ws fp32 ``[N/16, G, 16]``, the scales exactly)."""
+def pack_w8g(q: torch.Tensor, scale: torch.Tensor,
+             offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The w8g kernel's layout of a grouped int8 weight (``q`` int8 ``[N, K]``, ``scale`` and optional ``offset``
+    fp32 ``[N, G]``, G > 1): (wu uint8 ``[N/16, K/4, 16, 4]`` holding q + 128, ws and wo fp32 ``[N/16, G, 16]``,
+    the scales and offsets exactly; wo None without offsets)."""
     n, k = q.shape
     g = scale.shape[1]
-    if not supports_w8g(n, k, k // g):
-        raise ValueError(f"w8g needs out_features % 16 == 0, in_features % 32 == 0 and a group of 16 or a multiple of "
-                         f"32; got N={n}, K={k}, group={k // g}")
+    if not supports_w8g(n, k, k // g, offset is not None):
+        raise ValueError(f"w8g needs out_features % 16 == 0, in_features % 32 == 0 and a group of 16 (no offsets) or "
+                         f"a multiple of 32; got N={n}, K={k}, group={k // g}, offsets={offset is not None}")
     wu = torch.empty(n // TILE_N, k // 4, TILE_N, 4, dtype=torch.uint8)  # (T, chunk, lane, b)
     rows = 2048  # a multiple of 16: packed a slice at a time, so the temporaries stay small beside the weight
     for start in range(0, n, rows):
         shifted = q[start : start + rows].contiguous().view(torch.uint8) ^ 0x80  # two's complement q + 128
         tiles = shifted.reshape(-1, TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # (t, chunk, lane, b)
         wu[start // TILE_N : start // TILE_N + tiles.shape[0]] = tiles
-    return wu, _by_tile(scale.float())
+    return wu, _by_tile(scale.float()), _by_tile(offset.float()) if offset is not None else None
 
 
-def w8g_linear(x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], group_size: int, bias: torch.Tensor | None,
+def w8g_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: int, bias: torch.Tensor | None,
                threads: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x [M, K]`` through the native w8g kernel: ``[M, N]`` in ``out_dtype`` (default fp32)."""
+    """``x [M, K]`` through the native w8g kernel (``state``: ``pack_w8g``'s): ``[M, N]`` in ``out_dtype`` (default
+    fp32)."""
     lib = _library()
     assert lib is not None, "native kernels unavailable: check native.available() first"
-    wu, ws = state
+    wu, ws, wo = state
     m, k = x.shape
     n = wu.shape[0] * TILE_N
     x, y, bias32, out_dtype = _kernel_io(x, n, out_dtype, bias)
     if m:
         rc = lib.specdec_w8g_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wu.data_ptr(), ws.data_ptr(),
-                                  _ptr(bias32), n, group_size, y.data_ptr(), int(y.dtype == torch.bfloat16),
+                                  _ptr(wo), _ptr(bias32), n, group_size, y.data_ptr(), int(y.dtype == torch.bfloat16),
                                   threads or torch.get_num_threads())
         _check(rc, "w8g", m, k)
     return y.to(out_dtype)
 
 
-def w8g_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The w8g arithmetic in torch: ``x [M, K]``, ``q`` int8 ``[N, K]``, ``scale`` fp32 ``[N, G]`` (group 16 or a
-    multiple of 32); fp32 ``[M, N]``. Piece dots are exact; the kernel's fused multiply-adds round once per piece
+def w8g_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  offset: torch.Tensor | None = None) -> torch.Tensor:
+    """The w8g arithmetic in torch: ``x [M, K]``, ``q`` int8 ``[N, K]``, ``scale`` (and ``offset``) fp32 ``[N, G]``
+    (group 16 or a multiple of 32; offsets with the latter); fp32 ``[M, N]``. Piece dots are exact; the kernel's fused multiply-adds round once per piece
     where this sums in fp64, so compare with a tolerance."""
     n, k = q.shape
     group = k // scale.shape[1]
     piece = 16 if group == 16 else BLOCK_K
-    xq, xs, _ = quantize_activations(x)  # (M, B, 32), (M, B)
+    xq, xs, xsum = quantize_activations(x)  # (M, B, 32), (M, B), (M, B)
     m = x.shape[0]
     pieces = k // piece
     xp = xq.reshape(m, pieces, piece).double()  # (M, P, piece)
@@ -283,5 +288,8 @@ def w8g_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
     s = scale.float().repeat_interleave(group // piece, 1) if group > piece else scale.float()  # (N, P)
     xs_p = xs.repeat_interleave(BLOCK_K // piece, 1)  # (M, P)
     terms = dots * (s[None] * xs_p[:, None, :]).double()
+    if offset is not None:  # per block of 32 (offsets come with groups of 32k): o * xs * sum of the block's xq
+        o = offset.float().repeat_interleave(group // BLOCK_K, 1)  # (N, B)
+        terms = terms + o[None].double() * xsum[:, None, :].double()
     out = terms.sum(-1).float()
     return out + bias.float() if bias is not None else out
