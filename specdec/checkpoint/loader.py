@@ -149,7 +149,8 @@ def load_model(
     ``prepack_weights``: replace every linear weight by its oneDNN-prepacked copy (``specdec/model/linear.py``).
     None = where supported (CPU, float32, or bfloat16 with native bf16); True = always (``ValueError`` where
     unsupported); False = never (plain weights and ``F.linear``).
-    ``quantization``: None, "int8" or "int4" - every linear but a tied LM head quantised while loading
+    ``quantization``: None, "int8", "int4" or "gguf" (``gguf_path``'s blocks as stored) - every linear but a tied
+    LM head quantised while loading
     (specdec/checkpoint/quant_load.py), group ``quantization_group_size``; ``quantize_lm_head``: None as just said,
     True also a tied head (its own quantised copy), False never the head; ``gguf_path``: the GGUF the folder was
     converted from, whose Q4_0 / Q4_1 / Q8_0 blocks are kept where they map exactly. ``shared_embedding``: use

@@ -43,7 +43,7 @@ class EngineConfig:
     # enable_static_forward, specdec/runner/cuda_graphs.py); True: every forward eager. No effect on CPU
     # (docs/architecture.md, "CUDA graphs and the static forward").
     enforce_eager: bool = False
-    quantization: str | None = None  # None | "int8" | "int4": the target's linears (specdec/model/quant/)
+    quantization: str | None = None  # None | "int8" | "int4" | "gguf": the target's linears (specdec/model/quant/)
     quantization_group_size: int | None = None  # None: the scheme's default (int8 per channel, int4 32)
     # ranks the target is sharded over (docs/tensor_parallel.md); 1: one process, as before
     tensor_parallel_size: int = 1

@@ -58,7 +58,8 @@ class SpeculativeConfig:
         draft_dtype: the draft's dtype; None = the target's. Losslessness does not depend on it: the accept test
             uses exactly the q the draft sampled from.
         draft_quantization / draft_quantization_group_size: quantise the draft's linears ("int8" per channel, "int4"
-            per group of 32 by default; specdec/model/quant/), independently of the target's ``LLM(quantization=)``.
+            per group of 32 by default; "gguf": a .gguf draft's own blocks; specdec/model/quant/), independently of
+            the target's ``LLM(quantization=)``.
             Lossless either way: it only changes the proposals. ``draft_quantize_lm_head``: as
             ``LLM(quantize_lm_head=)`` for the draft (True: a tied draft head gets its own quantised copy; a self
             draft then stops sharing the target's head).
