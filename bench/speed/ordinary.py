@@ -111,6 +111,7 @@ def summarize(runs: dict, groups: list[str]) -> dict:
                 m = aggregate_metrics([r["metrics"] for r in mine])
                 plain = [r["tokens"] for r in runs["plain"] if group in ("all", r["group"])]
                 row.update(tau=m["tau"], acceptance=m["acceptance_rate"],
+                           speculating_step_fraction=m["speculating_step_fraction"],
                            lossless=[r["tokens"] for r in mine] == plain)
             rows[name] = row
         for row in rows.values():

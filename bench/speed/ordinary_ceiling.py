@@ -10,8 +10,11 @@ A round drafts, then verifies w = k + 1 tokens (a chain of k; a tree of n nodes:
 decoding can at best run tau / v(w) times faster than plain decoding - the drafter's own time and the host's work
 per round taken as free, and the prefill (the same for both) left out. That is the ceiling the measured acceptance
 allows; "needed" is the tau that would reach 2.0x at that width (2 v(w)). v(w) between measured widths is
-interpolated linearly. The width is the configured one: adaptive k drafts shorter where acceptance is low, so
-the ceiling at the configured width is a lower bound on the one at the widths that ran.
+interpolated linearly (and beyond the widest from the last two). The width is the configured one: adaptive k
+drafts shorter where acceptance is low. tau counts verification rounds only: a decode step where the drafter had
+nothing to propose is a plain step (tau 1, cost 1); where the run recorded the share f of steps that verified a
+draft (``speculating_step_fraction``), the ceiling over all steps, (f tau + 1 - f) / (f v(w) + 1 - f), is given
+too.
 """
 
 from __future__ import annotations
@@ -65,11 +68,16 @@ def main(argv: list[str] | None = None) -> int:
             w = window_width(run["configs"][name])
             v = interpolate(widths, costs, w)
             ceiling = r["tau"] / v
-            rows.append([kind, name, w, f"{v:.2f}", f"{r['tau']:.2f}", f"{ceiling:.2f}x", f"{r['speedup']:.2f}x",
-                         f"{GOAL * v:.2f}"])
+            f = r.get("speculating_step_fraction")
+            all_steps = (f * r["tau"] + 1 - f) / (f * v + 1 - f) if f is not None else None
+            rows.append([kind, name, w, f"{v:.2f}", f"{r['tau']:.2f}", f"{ceiling:.2f}x",
+                         "-" if f is None else f"{f:.2f}", "-" if all_steps is None else f"{all_steps:.2f}x",
+                         f"{r['speedup']:.2f}x", f"{GOAL * v:.2f}"])
             results.append({"kind": kind, "config": name, "width": w, "v": v, "tau": r["tau"], "ceiling": ceiling,
+                            "speculating_step_fraction": f, "ceiling_all_steps": all_steps,
                             "measured_speedup": r["speedup"], "tau_needed_for_goal": GOAL * v})
-    print_table(rows, ["kind", "config", "w", "v(w)", "tau", "ceiling tau/v", "measured", f"tau for {GOAL}x"])
+    print_table(rows, ["kind", "config", "w", "v(w)", "tau", "ceiling tau/v", "f", "over all steps", "measured",
+                       f"tau for {GOAL}x"])
     best = {}
     for r in results:
         best.setdefault(r["config"], []).append(r["ceiling"])
