@@ -324,6 +324,21 @@ _MISTRAL_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == '
                      "[/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 
 
+def _tiny_writer(path: Path, arch: str, name: str, vocab_size: int) -> gguf.GGUFWriter:
+    """A GGUFWriter with the tiny model's shape keys written."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    writer.add_vocab_size(vocab_size)
+    writer.add_context_length(_TINY["context"])
+    writer.add_embedding_length(_TINY["hidden"])
+    writer.add_feed_forward_length(_TINY["ffn"])
+    writer.add_block_count(_TINY["layers"])
+    writer.add_head_count(_TINY["heads"])
+    writer.add_head_count_kv(_TINY["kv_heads"])
+    writer.add_rope_dimension_count(_TINY["hidden"] // _TINY["heads"])
+    return writer
+
+
 def write_tiny_gguf(
     path: Path, arch: str = "qwen2", pre: str = "qwen2", rope_theta: float | None = 1e6, drop: tuple[str, ...] = (),
     rope_freqs: np.ndarray | None = None,
@@ -338,16 +353,7 @@ def write_tiny_gguf(
     tokens, merges, types = _toy_vocab(llama3)
     tied = arch == "llama"
     state = _tiny_hf_state(arch, len(tokens), tied)
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name("tiny")
-    writer.add_vocab_size(len(tokens))
-    writer.add_context_length(_TINY["context"])
-    writer.add_embedding_length(_TINY["hidden"])
-    writer.add_feed_forward_length(_TINY["ffn"])
-    writer.add_block_count(_TINY["layers"])
-    writer.add_head_count(_TINY["heads"])
-    writer.add_head_count_kv(_TINY["kv_heads"])
-    writer.add_rope_dimension_count(_TINY["hidden"] // _TINY["heads"])
+    writer = _tiny_writer(path, arch, "tiny", len(tokens))
     if rope_theta is not None:
         writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(1e-6)
@@ -380,16 +386,7 @@ def write_tiny_gguf(
 def _write_tiny_spm_gguf(path: Path, rope_theta: float | None) -> dict[str, torch.Tensor]:
     tokens, scores, types = _toy_spm_vocab()
     state = _tiny_hf_state("llama", len(tokens), tied=False)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-mistral")
-    writer.add_vocab_size(len(tokens))
-    writer.add_context_length(_TINY["context"])
-    writer.add_embedding_length(_TINY["hidden"])
-    writer.add_feed_forward_length(_TINY["ffn"])
-    writer.add_block_count(_TINY["layers"])
-    writer.add_head_count(_TINY["heads"])
-    writer.add_head_count_kv(_TINY["kv_heads"])
-    writer.add_rope_dimension_count(_TINY["hidden"] // _TINY["heads"])
+    writer = _tiny_writer(path, "llama", "tiny-mistral", len(tokens))
     writer.add_rope_freq_base(rope_theta or 1e6)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("llama")
