@@ -46,7 +46,8 @@ class LLM:
             32) where the CPU has it, else torch's int4 kernel in bf16 (docs/guarantees.md: a quantised target is a
             different target). "gguf" (a .gguf model only): every linear in the format its file stores it in,
             nothing quantised again - Q4_0 / Q4_1 / Q4_K as int4, Q8_0 / Q5_0 / Q6_K / Q5_1 / Q5_K as int8 in
-            groups of 32 / 16 (specdec's w4a8 / w8g kernels on CPU), other types (Q2_K, Q3_K, F16, ...) dense (docs/guarantees.md, "GGUF blocks as stored").
+            groups of 32 / 16 (specdec's w4a8 / w8g kernels on CPU), other types (Q2_K, Q3_K, F16, ...) dense
+            (docs/guarantees.md, "GGUF blocks as stored").
         quantize_lm_head: None (default): the LM head is quantised with the linears unless it is tied to the
             embedding; True: a tied head too, as its own quantised copy of the embedding's rows (the embedding
             stays for the lookup: more memory, fewer bytes streamed per token); False: the head never is.

@@ -50,7 +50,8 @@ def interpolate(widths: list[int], costs: list[float], w: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.speed.ordinary_ceiling", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.speed.ordinary_ceiling",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("run")
     parser.add_argument("tree_cost")
     add_record_flag(parser)

@@ -11,8 +11,8 @@ checkpoint: the parts of a linear (q/k/v, gate/up) are gathered until complete, 
 scheme asked for (int4 / int8 with group 32) is taken from the GGUF blocks unchanged (gguf_blocks.py); other
 tensors are quantised from their dequantised values. ``quantization="gguf"`` takes every linear whose blocks map
 onto one of our formats (Q4_0 / Q4_1 / Q4_K -> int4, Q8_0 / Q5_0 / Q6_K / Q5_1 / Q5_K -> int8) from the file
-unchanged, and keeps the others dense in the model dtype (the file's float tensors, and Q2_K / Q3_K / ... dequantised): the
-model runs the weights the file holds, nothing quantised again.
+unchanged, and keeps the others dense in the model dtype (the file's float tensors, and Q2_K / Q3_K / ...
+dequantised): the model runs the weights the file holds, nothing quantised again.
 
 Under tensor parallelism (a model built with ``group=``) each rank quantises its own shard: every linear's slice
 (``ShardLayout.slice_of``: rows of q/k/v, gate/up and the LM head, columns of o_proj and down_proj) is read and
@@ -53,8 +53,9 @@ class _Pending(nn.Module):
 @dataclass(frozen=True)
 class _KeptBlocks:
     """A GGUF tensor kept quantised (``q`` int8 ``[N, K]`` or packed uint8 ``[N, K // 2]``, ``scale`` / ``offset``
-    fp32 ``[N, K // group]``; no offset for int8; a group of 16 only under "gguf", which is never sliced) that a tensor-parallel rank narrows like a checkpoint tensor
-    (``ShardLayout.slice_of``): rows, or columns in whole 32-wide blocks."""
+    fp32 ``[N, K // group]``; offsets for int4, Q5_1 and Q5_K; groups of 16 only under "gguf", which is never
+    sliced) that a tensor-parallel rank narrows like a checkpoint tensor (``ShardLayout.slice_of``): rows, or
+    columns in whole 32-wide blocks."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -162,8 +163,8 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
                 shape = tuple(piece.shape)
                 rows_of = functools.partial(_read_rows, piece)
             else:
-                dense = [t[1] if t[0] == "dense" else dequantize(t[1], t[2], t[3], 8 if t[1].dtype == torch.int8 else 4)
-                         for t in ordered]
+                dense = [t[1] if t[0] == "dense" else
+                         dequantize(t[1], t[2], t[3], 8 if t[1].dtype == torch.int8 else 4) for t in ordered]
                 w = dense[0] if len(dense) == 1 else torch.cat(dense)  # (N, K) fp32, this rank's shard of one module
                 del dense
                 shape = tuple(w.shape)
@@ -180,7 +181,7 @@ def load_quantized(model, weights: Iterable[tuple[str, torch.Tensor | TensorEntr
         q, scale, offset = _pad_rows(q, scale, offset, p.shape[0])  # the last LM-head shard's padding rows
         bias = p.bias.detach() if p.bias is not None else None
         ql = QuantizedLinear(q.to(device), scale.to(device), offset.to(device) if offset is not None else None,
-                             bits, bias, exact_scales=exact)
+                             bits, bias, exact_scales=exact and as_stored)  # "gguf": never int4pack's bf16
         ql.prepare(device, cpu_path)
         _set_module(model, name, ql)
         if (counts["kept"] + counts["quantized"]) % _TRIM_EVERY == 0:  # glibc keeps freed temporaries otherwise

@@ -107,14 +107,15 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
 
 def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces of the vocabulary,
-    ranked by the merged piece's score (highest first; ties: the longer left part, then the longer right part), as transformers'
-    ``generate_merges`` ranks them, so that both tokenizers agree on every text."""
+    ranked by the merged piece's score (highest first; ties: the longer left part, then the longer right part), as
+    transformers' ``generate_merges`` ranks them, so that both tokenizers agree on every text."""
     vocab: dict[str, int] = {}
     for index, token in enumerate(tokens):
         vocab.setdefault(token, index)
     candidates = []
     for piece, score in dict(zip(tokens, scores)).items():
-        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
         candidates += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
     candidates.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in candidates]

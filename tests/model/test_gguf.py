@@ -412,8 +412,8 @@ def _write_tiny_spm_gguf(path: Path, rope_theta: float | None) -> dict[str, torc
 
 
 _SPM_TEXTS = ["the hello world", " the  hello   world", "def hello():\n    return the world", "x = 12345 it's 1234",
-              "h\u00e9llo w\u00f6rld \u4f60\u597d \U0001F600", "[INST] hi [/INST] the</s>", "a  \t\n\n   b    c", "<tool> x",
-              "hello<s>world", ""]
+              "h\u00e9llo w\u00f6rld \u4f60\u597d \U0001F600", "[INST] hi [/INST] the</s>", "a  \t\n\n   b    c",
+              "<tool> x", "hello<s>world", ""]
 
 
 def test_a_sentencepiece_gguf_tokenizes_and_decodes_like_transformers(tmp_path):

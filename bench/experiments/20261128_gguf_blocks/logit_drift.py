@@ -15,8 +15,8 @@ import sys
 import torch
 
 from bench.common import chat_token_ids, load_prompts
-from specdec.cache.kv_pool import KVPool
 from specdec.cache.block_manager import BlockManager
+from specdec.cache.kv_pool import KVPool
 from specdec.checkpoint.loader import load_model, resolve_model_path
 from specdec.model.config import ModelConfig
 from specdec.runner.model_runner import ForwardItem, ModelRunner

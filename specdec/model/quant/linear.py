@@ -125,8 +125,9 @@ class QuantizedLinear(nn.Module):
     def prepare(self, device: torch.device, cpu_path: str = "auto", release: bool = True) -> None:
         """Fix the arithmetic for ``device``: on CPU with ``cpu_path="auto"`` the fast path that applies ("w8a8"
         for per-channel int8 - specdec's kernel, else oneDNN's -, "w8g" for grouped int8, "w4a8" or else "int4pack"
-        for int4 with a supported group; never int4pack for ``exact_scales``), else "weight_only"; ``cpu_path="torch"`` passes over specdec's native kernels. ``release``: the
-        CPU path's packed copies replace ``qweight`` / ``scale`` / ``offset`` (meta tensors), so they are held once."""
+        for int4 with a supported group; never int4pack for ``exact_scales``), else "weight_only";
+        ``cpu_path="torch"`` passes over specdec's native kernels. ``release``: the CPU path's packed copies replace
+        ``qweight`` / ``scale`` / ``offset`` (meta tensors), so they are held once."""
         if cpu_path not in CPU_PATHS:
             raise ValueError(f"cpu_path must be one of {CPU_PATHS}, got {cpu_path!r}")
         if self.released:

@@ -275,8 +275,8 @@ def w8g_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: int
 def w8g_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                   offset: torch.Tensor | None = None) -> torch.Tensor:
     """The w8g arithmetic in torch: ``x [M, K]``, ``q`` int8 ``[N, K]``, ``scale`` (and ``offset``) fp32 ``[N, G]``
-    (group 16 or a multiple of 32; offsets with the latter); fp32 ``[M, N]``. Piece dots are exact; the kernel's fused multiply-adds round once per piece
-    where this sums in fp64, so compare with a tolerance."""
+    (group 16 or a multiple of 32; offsets with the latter); fp32 ``[M, N]``. Piece dots are exact; the kernel's
+    fused multiply-adds round once per piece where this sums in fp64, so compare with a tolerance."""
     n, k = q.shape
     group = k // scale.shape[1]
     piece = 16 if group == 16 else BLOCK_K
