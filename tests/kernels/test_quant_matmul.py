@@ -117,7 +117,7 @@ def test_tolerance_catches_wrong_scales_and_offsets():
 
 def test_module_dispatches_to_the_kernel_when_forced():
     m = _module(48, 64, "int8", 32)
-    m.prepare(torch.device("cpu"))  # group-wise int8: no CPU fast path, the weight-only path
+    m.prepare(torch.device("cpu"), "weight_only")  # the weight-only path (grouped int8 runs w8g on VNNI CPUs)
     assert m.path == "weight_only"
     x = torch.randn(2, 64)
     with ops.force_triton():
