@@ -92,24 +92,31 @@ static inline __attribute__((always_inline)) void tile_rows(const int R, int64_t
     }
 }
 
-/* tile_rows for each R up to ROWS, as functions of their own: inlined together into one body, the 1- and 2-row
- * loops ran ~10% slower (code placement) */
-#define TILE_ROWS(R)                                                                                                  \
-    static void tile_rows_##R(int64_t t, int64_t m0, int64_t k, const int8_t *xq, const float *xs, const float *xsum, \
-                              const uint8_t *wq, const void *ws, const void *wo, int scales_f32, const float *bias,   \
-                              int64_t n, int64_t group, void *y, int y_bf16, int64_t m_rows, int prefetch) {        \
-        tile_rows(R, t, m0, k, xq, xs, xsum, wq, ws, wo, scales_f32, bias, n, group, y, y_bf16, m_rows, prefetch);  \
+/* tile_rows for each R up to ROWS and each scale format, as functions of their own: inlined together into one
+ * body, the 1- and 2-row loops ran ~10% slower (code placement). The format is a constant in each (F = 0: fp16,
+ * the compact form; 1: fp32), so its branch folds away and the fp16 pass is the code it was before fp32 scales. */
+#define TILE_ROWS(R, F)                                                                                               \
+    static void tile_rows_##F##_##R(int64_t t, int64_t m0, int64_t k, const int8_t *xq, const float *xs,            \
+                                    const float *xsum, const uint8_t *wq, const void *ws, const void *wo,           \
+                                    const float *bias, int64_t n, int64_t group, void *y, int y_bf16,               \
+                                    int64_t m_rows, int prefetch) {                                                  \
+        tile_rows(R, t, m0, k, xq, xs, xsum, wq, ws, wo, F, bias, n, group, y, y_bf16, m_rows, prefetch);           \
     }
-TILE_ROWS(1) TILE_ROWS(2) TILE_ROWS(3) TILE_ROWS(4) TILE_ROWS(5) TILE_ROWS(6) TILE_ROWS(7) TILE_ROWS(8)
-TILE_ROWS(9) TILE_ROWS(10) TILE_ROWS(11) TILE_ROWS(12) TILE_ROWS(13) TILE_ROWS(14) TILE_ROWS(15) TILE_ROWS(16)
+#define TILE_ROWS_BOTH(R) TILE_ROWS(R, 0) TILE_ROWS(R, 1)
+TILE_ROWS_BOTH(1) TILE_ROWS_BOTH(2) TILE_ROWS_BOTH(3) TILE_ROWS_BOTH(4) TILE_ROWS_BOTH(5) TILE_ROWS_BOTH(6)
+TILE_ROWS_BOTH(7) TILE_ROWS_BOTH(8) TILE_ROWS_BOTH(9) TILE_ROWS_BOTH(10) TILE_ROWS_BOTH(11) TILE_ROWS_BOTH(12)
+TILE_ROWS_BOTH(13) TILE_ROWS_BOTH(14) TILE_ROWS_BOTH(15) TILE_ROWS_BOTH(16)
+#undef TILE_ROWS_BOTH
 #undef TILE_ROWS
 typedef void tile_pass_fn(int64_t, int64_t, int64_t, const int8_t *, const float *, const float *, const uint8_t *,
-                          const void *, const void *, int, const float *, int64_t, int64_t, void *, int, int64_t, int);
-static tile_pass_fn *const tile_pass[ROWS + 1] = {
-    NULL,         tile_rows_1,  tile_rows_2,  tile_rows_3,  tile_rows_4,  tile_rows_5,  tile_rows_6,
-    tile_rows_7,  tile_rows_8,  tile_rows_9,  tile_rows_10, tile_rows_11, tile_rows_12, tile_rows_13,
-    tile_rows_14, tile_rows_15, tile_rows_16,
-};
+                          const void *, const void *, const float *, int64_t, int64_t, void *, int, int64_t, int);
+#define PASSES(F)                                                                                                     \
+    {NULL, tile_rows_##F##_1, tile_rows_##F##_2, tile_rows_##F##_3, tile_rows_##F##_4, tile_rows_##F##_5,           \
+     tile_rows_##F##_6, tile_rows_##F##_7, tile_rows_##F##_8, tile_rows_##F##_9, tile_rows_##F##_10,                \
+     tile_rows_##F##_11, tile_rows_##F##_12, tile_rows_##F##_13, tile_rows_##F##_14, tile_rows_##F##_15,            \
+     tile_rows_##F##_16}
+static tile_pass_fn *const tile_pass[2][ROWS + 1] = {PASSES(0), PASSES(1)};
+#undef PASSES
 
 /* y [M, N] = w4a8(x [M, K]) (+ bias [N] fp32, added to the fp32 result), x and y fp32 or bf16 (x_bf16, y_bf16:
  * y rounded once from fp32, to nearest even). group: the weight group size (a multiple of 32 dividing K).
@@ -133,7 +140,8 @@ int specdec_w4a8_gemm(const void *x, int x_bf16, int64_t m_rows, int64_t k, cons
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t p = 0, m0 = 0; p < passes; p++) {
             const int64_t rows = (m_rows - m0) / (passes - p);
-            tile_pass[rows](t, m0, k, xq, xs, xsum, wq, ws, wo, scales_f32, bias, n, group, y, y_bf16, m_rows, p == 0);
+            tile_pass[scales_f32 != 0][rows](t, m0, k, xq, xs, xsum, wq, ws, wo, bias, n, group, y, y_bf16, m_rows,
+                                             p == 0);
             m0 += rows;
         }
     }
