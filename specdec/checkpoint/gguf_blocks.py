@@ -35,25 +35,23 @@ QK_K = 256
 
 
 @dataclass(frozen=True)
-class KeptType:
-    """How a GGUF type is held as stored: ``bits`` (4: int4 with offsets, 8: int8), ``group`` (inputs per scale),
-    ``block_bytes`` / ``block_elems`` (the file's block)."""
+class BlockLayout:
+    """A GGUF type's block in the file: ``block_bytes`` bytes holding ``block_elems`` values (the mapping onto our
+    formats is the module docstring's)."""
 
-    bits: int
-    group: int
     block_bytes: int
     block_elems: int
 
 
 KEPT = {
-    "Q8_0": KeptType(8, 32, 34, 32),
-    "Q5_0": KeptType(8, 32, 22, 32),
-    "Q6_K": KeptType(8, 16, 210, QK_K),
-    "Q5_1": KeptType(8, 32, 24, 32),
-    "Q5_K": KeptType(8, 32, 176, QK_K),
-    "Q4_0": KeptType(4, 32, 18, 32),
-    "Q4_1": KeptType(4, 32, 20, 32),
-    "Q4_K": KeptType(4, 32, 144, QK_K),
+    "Q8_0": BlockLayout(34, 32),
+    "Q5_0": BlockLayout(22, 32),
+    "Q6_K": BlockLayout(210, QK_K),
+    "Q5_1": BlockLayout(24, 32),
+    "Q5_K": BlockLayout(176, QK_K),
+    "Q4_0": BlockLayout(18, 32),
+    "Q4_1": BlockLayout(20, 32),
+    "Q4_K": BlockLayout(144, QK_K),
 }
 KEPT_BY_SCHEME = {"int8": ("Q8_0",), "int4": ("Q4_0", "Q4_1")}  # what quantization int8 / int4 (group 32) keep
 
@@ -63,9 +61,9 @@ def kept_scheme(type_name: str) -> str | None:
     return next((scheme for scheme, types in KEPT_BY_SCHEME.items() if type_name in types), None)
 
 
-def kept_type(type_name: str) -> KeptType | None:
-    """How ``quantization="gguf"`` holds a GGUF type as stored, or None (it is kept dense)."""
-    return KEPT.get(type_name)
+def kept_as_stored(type_name: str) -> bool:
+    """Whether ``quantization="gguf"`` holds a GGUF type as stored (else the linear is kept dense)."""
+    return type_name in KEPT
 
 
 def _f16(raw: np.ndarray) -> torch.Tensor:

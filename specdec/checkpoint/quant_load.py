@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdec.checkpoint.gguf_blocks import BLOCK, kept_scheme, kept_type, read_blocks, unpermute_rows
+from specdec.checkpoint.gguf_blocks import BLOCK, kept_as_stored, kept_scheme, read_blocks, unpermute_rows
 from specdec.checkpoint.safetensors_reader import TensorEntry, TensorSlice
 from specdec.model.linear import Linear
 from specdec.model.quant.formats import dequantize, quantize_int4, quantize_int8
@@ -314,14 +314,14 @@ class _GGUFKept:
         from specdec.checkpoint.gguf import _hf_name, open_gguf
 
         self.tensors = {}
-        self.types: dict[str, str] = {}  # HF name -> GGUF type of every 2-D weight (what "gguf" decides by)
+        self.weights: list[str] = []  # HF names of every 2-D weight but the embedding (what "gguf" decides over)
         for t in open_gguf(path).tensors:
             if not (t.name.endswith(".weight") and len(t.shape) == 2) or t.name == "token_embd.weight":
                 continue
             name, type_name = _hf_name(t.name), t.tensor_type.name
-            self.types[name] = type_name
+            self.weights.append(name)
             if quantization == "gguf":
-                keep = kept_type(type_name) is not None
+                keep = kept_as_stored(type_name)
             else:  # GGUF's blocks are 32 wide: another group size needs requantising
                 keep = group_size == 32 and kept_scheme(type_name) == quantization
             if keep:
@@ -332,15 +332,14 @@ class _GGUFKept:
     def keepable_modules(self, model) -> set[str]:
         """The linears of ``model`` whose parts are all kept: "gguf" holds them as stored (a fused linear whose
         parts differ in format - q/k Q4_K with v Q6_K - as a ``RowStack``)."""
-        formats: dict[str, dict[int, tuple[int, int]]] = {}
-        for hf_name, type_name in self.types.items():
+        kept: dict[str, dict[int, bool]] = {}  # module -> shard -> held as stored
+        for hf_name in self.weights:
             module, shard = _linear_of(model, hf_name.removeprefix("model."))
-            kind = kept_type(type_name) if hf_name in self.tensors else None
-            formats.setdefault(module, {})[shard] = (kind.bits, kind.group) if kind else None
+            kept.setdefault(module, {})[shard] = hf_name in self.tensors
         keep = set()
-        for module, parts in formats.items():
+        for module, parts in kept.items():
             expected = 3 if module.endswith("qkv_proj") else 2 if module.endswith("gate_up_proj") else 1
-            if len(parts) == expected and None not in parts.values():
+            if len(parts) == expected and all(parts.values()):
                 keep.add(module)
         return keep
 

@@ -33,6 +33,14 @@ _LLAMA3_SPLIT = (
 )
 
 
+def _token_ids(tokens: list[str]) -> dict[str, int]:
+    """token -> id, a token listed twice keeping its first id (as llama.cpp's lookup does)."""
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    return vocab
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The upstream tokenizer.json's pre-tokenizer for a `tokenizer.ggml.pre` name (llama.cpp's naming)."""
     if pre == "llama-bpe":
@@ -59,9 +67,7 @@ def _special_token(tokens: list[str], md, key: str) -> str | None:
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, types: list[int]) -> Tokenizer:
     """The BPE model, pre-tokenizer, decoder and added tokens; ids are positions in the GGUF token list."""
     pre_tokenizer = _pre_tokenizer(pre)  # fail on an unknown pre-tokenizer before building anything
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)
+    vocab = _token_ids(tokens)
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
     if pre == "qwen2":
@@ -87,9 +93,7 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int],
     token), and the matching decoder. ``add_space_prefix`` False (``tokenizer.ggml.add_space_prefix``, written from
     the SentencePiece model's ``add_dummy_prefix``) prefixes nothing, as llama.cpp does; transformers ignores the
     key and prefixes anyway."""
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)
+    vocab = _token_ids(tokens)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges_from_scores(tokens, scores), unk_token=unk,
                                      fuse_unk=True, byte_fallback=True))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(
@@ -109,9 +113,7 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
     """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces of the vocabulary,
     ranked by the merged piece's score (highest first; ties: the longer left part, then the longer right part), as
     transformers' ``generate_merges`` ranks them, so that both tokenizers agree on every text."""
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(tokens):
-        vocab.setdefault(token, index)
+    vocab = _token_ids(tokens)
     candidates = []
     for piece, score in dict(zip(tokens, scores)).items():
         local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))

@@ -137,8 +137,7 @@ class QuantizedLinear(nn.Module):
             return
         native_ok = cpu_path == "auto" and native.available()
         per_channel = self.bits == 8 and self.scale.shape[1] == 1 and self.offset is None
-        if per_channel and native_ok and native.supports_w8a8(self.out_features,
-                                                                                              self.in_features):
+        if per_channel and native_ok and native.supports_w8a8(self.out_features, self.in_features):
             self.path, self.backend, self.state = "w8a8", "native", native.pack_w8a8(self.qweight, self.scale)
         elif per_channel and cpu_paths.w8a8_available():
             self.path, self.backend = "w8a8", "onednn"

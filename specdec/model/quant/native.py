@@ -82,6 +82,12 @@ def exact_in_fp16(t: torch.Tensor) -> bool:
     return bool((t.to(torch.float16).float() == t).all())
 
 
+def w4a8_fp32_scales(scale: torch.Tensor, offset: torch.Tensor, exact_scales: bool) -> bool:
+    """Whether w4a8 holds this weight's scales and offsets in fp32: only a file's own (``exact_scales``) that fp16
+    cannot hold exactly (Q4_K's ``d * sc``, ``dmin * m``); everything else in fp16."""
+    return exact_scales and not (exact_in_fp16(scale) and exact_in_fp16(offset))
+
+
 def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
               exact_scales: bool = False) -> tuple[torch.Tensor, ...]:
     """The kernel's layout of an int4 weight: ``q`` unpacked uint8 ``[N, K]`` in [0, 15], ``scale`` / ``offset`` fp32
@@ -95,7 +101,7 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     if not supports(n, k, k // g):
         raise ValueError(f"w4a8 needs out_features % 16 == 0, in_features % 32 == 0 and a group that is a multiple "
                          f"of 32; got N={n}, K={k}, group={k // g}")
-    if exact_scales and not (exact_in_fp16(scale) and exact_in_fp16(offset)):
+    if w4a8_fp32_scales(scale, offset, exact_scales):
         ws, wo = scale.float(), offset.float()
     elif not fits_fp16(scale, offset):
         raise ValueError("w4a8 holds scales and offsets in fp16; this weight's do not fit there")
@@ -149,8 +155,7 @@ def w4a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: in
     if m:
         rc = lib.specdec_w4a8_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, wq.data_ptr(), ws.data_ptr(),
                                    wo.data_ptr(), int(ws.dtype == torch.float32), _ptr(bias32), n, group_size,
-                                   y.data_ptr(),
-                                   int(y.dtype == torch.bfloat16), threads or torch.get_num_threads())
+                                   y.data_ptr(), int(y.dtype == torch.bfloat16), threads or torch.get_num_threads())
         _check(rc, "w4a8", m, k)
     return y.to(out_dtype)
 
@@ -167,13 +172,20 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     if not supports_w8a8(n, k) or scale.shape != (n, 1):
         raise ValueError(f"w8a8 needs a per-channel int8 weight with out_features % 16 == 0 and in_features % 16 == 0"
                          f"; got N={n}, K={k}, scale {tuple(scale.shape)}")
+    return _pack_shifted_int8(q), scale.reshape(n).float().contiguous()
+
+
+def _pack_shifted_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``q [N, K]`` -> the w8a8 / w8g layout: uint8 ``[N/16, K/4, 16, 4]`` holding q + 128 (tile, chunk of 4
+    inputs, lane, byte), packed a slice of rows at a time so the temporaries stay small beside the weight."""
+    n, k = q.shape
     wu = torch.empty(n // TILE_N, k // 4, TILE_N, 4, dtype=torch.uint8)  # (T, chunk, lane, b)
-    rows = 2048  # a multiple of 16: packed a slice at a time, so the temporaries stay small beside the weight
+    rows = 2048  # a multiple of 16
     for start in range(0, n, rows):
-        shifted = q[start : start + rows].contiguous().view(torch.uint8) ^ 0x80  # two's complement q + 128, [1, 255]
+        shifted = q[start : start + rows].contiguous().view(torch.uint8) ^ 0x80  # two's complement q + 128
         tiles = shifted.reshape(-1, TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # (t, chunk, lane, b)
         wu[start // TILE_N : start // TILE_N + tiles.shape[0]] = tiles
-    return wu, scale.reshape(n).float().contiguous()
+    return wu
 
 
 def w8a8_linear(x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], bias: torch.Tensor | None,
@@ -217,7 +229,7 @@ def w4a8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset
     xq, xs, xsum = quantize_activations(x)  # (M, B, 32), (M, B), (M, B)
     blocks = k // BLOCK_K
     per_group = blocks // scale.shape[1]
-    if not (exact_scales and not (exact_in_fp16(scale) and exact_in_fp16(offset))):
+    if not w4a8_fp32_scales(scale, offset, exact_scales):
         scale, offset = scale.to(torch.float16).float(), offset.to(torch.float16).float()
     s = scale.float().repeat_interleave(per_group, 1)  # (N, B)
     o = offset.float().repeat_interleave(per_group, 1)  # (N, B)
@@ -245,13 +257,7 @@ def pack_w8g(q: torch.Tensor, scale: torch.Tensor,
     if not supports_w8g(n, k, k // g, offset is not None):
         raise ValueError(f"w8g needs out_features % 16 == 0, in_features % 32 == 0 and a group of 16 (no offsets) or "
                          f"a multiple of 32; got N={n}, K={k}, group={k // g}, offsets={offset is not None}")
-    wu = torch.empty(n // TILE_N, k // 4, TILE_N, 4, dtype=torch.uint8)  # (T, chunk, lane, b)
-    rows = 2048  # a multiple of 16: packed a slice at a time, so the temporaries stay small beside the weight
-    for start in range(0, n, rows):
-        shifted = q[start : start + rows].contiguous().view(torch.uint8) ^ 0x80  # two's complement q + 128
-        tiles = shifted.reshape(-1, TILE_N, k // 4, 4).permute(0, 2, 1, 3)  # (t, chunk, lane, b)
-        wu[start // TILE_N : start // TILE_N + tiles.shape[0]] = tiles
-    return wu, _by_tile(scale.float()), _by_tile(offset.float()) if offset is not None else None
+    return _pack_shifted_int8(q), _by_tile(scale.float()), _by_tile(offset.float()) if offset is not None else None
 
 
 def w8g_linear(x: torch.Tensor, state: tuple[torch.Tensor, ...], group_size: int, bias: torch.Tensor | None,
